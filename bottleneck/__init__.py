@@ -1,0 +1,42 @@
+"""bottleneck: breaking the softmax bottleneck in JAX.
+
+Data flow: hidden states -> logits (W h + b) -> pointwise map (PLIF / sig / none)
+-> normalizer (log-space) -> mixture (optional) -> log-probs -> loss / rank diagnostics.
+"""
+
+from bottleneck.losses import cross_entropy
+from bottleneck.mixtures import mixture_log_probs
+from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
+from bottleneck.normalizers import (
+    log_normalize,
+    log_relu_normalizer,
+    log_sigmoid_normalizer,
+    log_sigsoftmax,
+    log_softmax,
+)
+from bottleneck.spectrum import (
+    effective_rank,
+    jacobian_singular_values,
+    numerical_rank,
+    singular_values,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "cross_entropy",
+    "effective_rank",
+    "jacobian_singular_values",
+    "log_normalize",
+    "log_relu_normalizer",
+    "log_sigmoid_normalizer",
+    "log_sigsoftmax",
+    "log_softmax",
+    "mixture_log_probs",
+    "monotone_mlp",
+    "monotone_mlp_init",
+    "numerical_rank",
+    "plif",
+    "plif_init",
+    "singular_values",
+]

@@ -1,0 +1,71 @@
+"""Word-level language-modelling data: PTB and WikiText-2 through TFDS, vocabulary, BPTT batches.
+
+Data flow: release files (``manual_dir`` / ``$BOTTLENECK_DATA_DIR``) -> TFDS ``array_record``
+(:func:`prepare_corpus`) -> tokens (whitespace split + ``<eos>`` per line) -> int32 ids
+(:class:`Vocabulary`, :func:`load_corpus`) -> ``[num_steps, batch_size]`` columns (:func:`batchify`)
+-> variable-length windows (:func:`bptt_windows`).
+"""
+
+from bottleneck.data.batching import (
+    BpttWindow,
+    batchify,
+    bptt_windows,
+    fixed_windows,
+    sample_seq_len,
+)
+from bottleneck.data.corpora import (
+    CORPORA,
+    DATA_DIR_ENV,
+    EOS,
+    PTB,
+    SPLITS,
+    WIKITEXT2,
+    CorpusSpec,
+    Vocabulary,
+    corpus_spec,
+    find_corpus_dir,
+    read_lines,
+    read_split_tokens,
+    tokenize_line,
+    tokenize_lines,
+)
+from bottleneck.data.tfds_builders import (
+    Ptb,
+    TokenizedCorpus,
+    Wikitext2,
+    load_corpus,
+    prepare_corpus,
+    read_prepared_ids,
+    read_prepared_lines,
+    read_prepared_tokens,
+)
+
+__all__ = [
+    "CORPORA",
+    "DATA_DIR_ENV",
+    "EOS",
+    "PTB",
+    "SPLITS",
+    "WIKITEXT2",
+    "BpttWindow",
+    "CorpusSpec",
+    "Ptb",
+    "TokenizedCorpus",
+    "Vocabulary",
+    "Wikitext2",
+    "batchify",
+    "bptt_windows",
+    "corpus_spec",
+    "find_corpus_dir",
+    "fixed_windows",
+    "load_corpus",
+    "prepare_corpus",
+    "read_lines",
+    "read_prepared_ids",
+    "read_prepared_lines",
+    "read_prepared_tokens",
+    "read_split_tokens",
+    "sample_seq_len",
+    "tokenize_line",
+    "tokenize_lines",
+]

@@ -1,0 +1,234 @@
+"""Plain-file access to the word-level language-modelling corpora, tokenization and vocabulary.
+
+The corpora are read from the standard release files, one example per line. Tokenization follows
+the standard loaders (Mikolov; Merity et al. 2017): split the line on whitespace and append
+``<eos>``, so a blank line (frequent in WikiText-2) contributes exactly one ``<eos>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+
+EOS = "<eos>"
+SPLITS = ("train", "validation", "test")
+DATA_DIR_ENV = "BOTTLENECK_DATA_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSpec:
+    """Where a corpus lives on disk and how its release files are named.
+
+    Attributes:
+        name: builder name (``"ptb"``, ``"wikitext2"``).
+        title: human-readable corpus name, used in messages.
+        folder: conventional sub-folder of a data root holding the files (``"ptb"``).
+        split_files: split name (one of :data:`SPLITS`) -> release file name.
+        homepage: where the release is documented.
+        citation: BibTeX entry of the release.
+    """
+
+    name: str
+    title: str
+    folder: str
+    split_files: Mapping[str, str]
+    homepage: str
+    citation: str
+
+    @property
+    def file_names(self) -> tuple[str, ...]:
+        """The release file names, in :data:`SPLITS` order."""
+        return tuple(self.split_files[split] for split in SPLITS)
+
+
+PTB = CorpusSpec(
+    name="ptb",
+    title="Penn Treebank (Mikolov's preprocessing)",
+    folder="ptb",
+    split_files={"train": "ptb.train.txt", "validation": "ptb.valid.txt", "test": "ptb.test.txt"},
+    homepage="https://www.fit.vutbr.cz/~imikolov/rnnlm/",
+    citation="""@inproceedings{mikolov2010recurrent,
+  title={Recurrent neural network based language model},
+  author={Mikolov, Tom{\\'a}{\\v{s}} and Karafi{\\'a}t, Martin and Burget, Luk{\\'a}{\\v{s}}
+          and {\\v{C}}ernock{\\'y}, Jan and Khudanpur, Sanjeev},
+  booktitle={Interspeech},
+  year={2010}
+}""",
+)
+
+WIKITEXT2 = CorpusSpec(
+    name="wikitext2",
+    title="WikiText-2 (v1, tokenised)",
+    folder="wikitext-2",
+    split_files={
+        "train": "wiki.train.tokens",
+        "validation": "wiki.valid.tokens",
+        "test": "wiki.test.tokens",
+    },
+    homepage="https://blog.salesforceairesearch.com/the-wikitext-long-term-dependency-language-modeling-dataset/",
+    citation="""@article{merity2016pointer,
+  title={Pointer Sentinel Mixture Models},
+  author={Merity, Stephen and Xiong, Caiming and Bradbury, James and Socher, Richard},
+  journal={arXiv preprint arXiv:1609.07843},
+  year={2016}
+}""",
+)
+
+CORPORA: Mapping[str, CorpusSpec] = {spec.name: spec for spec in (PTB, WIKITEXT2)}
+
+
+def corpus_spec(name: str) -> CorpusSpec:
+    """The :class:`CorpusSpec` called ``name``; ``ValueError`` listing the known names otherwise."""
+    if name not in CORPORA:
+        raise ValueError(f"Unknown corpus {name!r}; known corpora: {', '.join(CORPORA)}")
+    return CORPORA[name]
+
+
+def _expected_files_hint(spec: CorpusSpec) -> str:
+    return (
+        f"{spec.title} expects the files {', '.join(spec.file_names)} "
+        f"(pass the directory holding them, or a root holding a '{spec.folder}/' folder, "
+        f"as an argument or in ${DATA_DIR_ENV})"
+    )
+
+
+def find_corpus_dir(spec: CorpusSpec, manual_dir: str | os.PathLike | None = None) -> Path:
+    """The directory that holds all of ``spec``'s release files, checked to be complete.
+
+    Looks in ``manual_dir`` (or, when it is ``None``, in ``$BOTTLENECK_DATA_DIR``) and in its
+    ``spec.folder`` sub-folder, so both ``.../ptb`` and the data root ``...`` work.
+
+    Raises:
+        FileNotFoundError: no directory was given, or a release file is missing; the message names
+            the expected files and the directories searched.
+        ValueError: a release file is empty or does not end with a newline (truncated).
+    """
+    if manual_dir is None:
+        manual_dir = os.environ.get(DATA_DIR_ENV)
+    if manual_dir is None:
+        raise FileNotFoundError(
+            f"No data directory given and ${DATA_DIR_ENV} is not set. {_expected_files_hint(spec)}."
+        )
+    root = Path(manual_dir).expanduser()
+    candidates = (root, root / spec.folder)
+    for candidate in candidates:
+        if all((candidate / file_name).is_file() for file_name in spec.file_names):
+            _check_not_truncated(spec, candidate)
+            return candidate
+    missing_by_dir = {
+        candidate: [name for name in spec.file_names if not (candidate / name).is_file()]
+        for candidate in candidates
+    }
+    closest_dir = min(candidates, key=lambda candidate: len(missing_by_dir[candidate]))
+    raise FileNotFoundError(
+        f"Missing {', '.join(missing_by_dir[closest_dir])} in {closest_dir} "
+        f"(looked in {' and '.join(map(str, candidates))}). {_expected_files_hint(spec)}."
+    )
+
+
+def _check_not_truncated(spec: CorpusSpec, corpus_dir: Path) -> None:
+    """``ValueError`` unless every release file in ``corpus_dir`` is non-empty and ends in a newline."""
+    for file_name in spec.file_names:
+        path = corpus_dir / file_name
+        with path.open("rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            if size > 0:
+                handle.seek(-1, os.SEEK_END)
+            truncated = size == 0 or handle.read(1) != b"\n"
+        if truncated:
+            problem = "is empty" if size == 0 else "does not end with a newline (truncated?)"
+            raise ValueError(
+                f"{file_name} in {corpus_dir} {problem}; copy it again from the release. "
+                f"{_expected_files_hint(spec)}."
+            )
+
+
+def read_lines(path: str | os.PathLike) -> Iterator[str]:
+    """The lines of a corpus file (UTF-8, universal newlines), without their line terminator."""
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            yield line.rstrip("\n")
+
+
+def tokenize_line(line: str) -> list[str]:
+    """A line's whitespace-separated tokens followed by ``<eos>`` (a blank line gives ``[<eos>]``)."""
+    return [*line.split(), EOS]
+
+
+def tokenize_lines(lines: Iterable[str]) -> list[str]:
+    """All tokens of ``lines`` in order, one ``<eos>`` closing each line."""
+    return [token for line in lines for token in tokenize_line(line)]
+
+
+def read_split_tokens(
+    spec: CorpusSpec, split: str, manual_dir: str | os.PathLike | None = None
+) -> list[str]:
+    """The tokens of one split read straight from its release file (no TFDS).
+
+    Args:
+        spec: the corpus.
+        split: one of :data:`SPLITS`.
+        manual_dir: directory with the release files; see :func:`find_corpus_dir`.
+
+    Returns:
+        The split's tokens, ``<eos>`` closing every line; length = the split's token count.
+    """
+    corpus_dir = find_corpus_dir(spec, manual_dir)
+    return tokenize_lines(read_lines(corpus_dir / spec.split_files[split]))
+
+
+class Vocabulary:
+    """A bijection between token strings and int32 ids ``0 .. len - 1``.
+
+    Ids follow the order in which tokens are given (first occurrence for :meth:`from_tokens`), as
+    in the standard PyTorch loaders, so ids are comparable with theirs.
+    """
+
+    def __init__(self, tokens: Iterable[str]):
+        """Builds the vocabulary from distinct ``tokens``; token ``i`` gets id ``i``."""
+        self.tokens: tuple[str, ...] = tuple(tokens)
+        self._ids: dict[str, int] = {token: i for i, token in enumerate(self.tokens)}
+        if len(self._ids) != len(self.tokens):
+            raise ValueError("Vocabulary tokens must be distinct")
+
+    @classmethod
+    def from_tokens(cls, tokens: Iterable[str]) -> Vocabulary:
+        """The vocabulary of a token stream (e.g. a training split), in first-occurrence order."""
+        return cls(dict.fromkeys(tokens))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __contains__(self, token: object) -> bool:
+        return token in self._ids
+
+    def __repr__(self) -> str:
+        return f"Vocabulary(size={len(self)})"
+
+    @property
+    def eos_id(self) -> int:
+        """The id of ``<eos>``."""
+        return self._ids[EOS]
+
+    def encode(self, tokens: Iterable[str]) -> np.ndarray:
+        """Token ids, int32, shape ``[num_tokens]``; ``ValueError`` naming unknown tokens."""
+        tokens = list(tokens)
+        unknown = sorted({token for token in tokens if token not in self._ids})
+        if unknown:
+            raise ValueError(
+                f"{len(unknown)} token(s) not in the vocabulary of {len(self)}: {unknown[:10]}"
+            )
+        return np.fromiter((self._ids[token] for token in tokens), np.int32, count=len(tokens))
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> list[str]:
+        """The tokens of integer ids (any shape, read in C order); ``ValueError`` if out of range."""
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
+            raise ValueError(
+                f"Token ids must lie in [0, {len(self)}), got [{ids.min()}, {ids.max()}]"
+            )
+        return [self.tokens[i] for i in ids.tolist()]
