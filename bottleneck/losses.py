@@ -1,6 +1,10 @@
-"""Losses on log-probabilities."""
+"""Losses: cross-entropy on log-probabilities, and the chunked (memory-bounded) head loss."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,3 +59,165 @@ def cross_entropy(
     total = jnp.sum(jnp.where(where, picked, jnp.zeros((), picked.dtype)))
     count = jnp.maximum(jnp.sum(where), 1).astype(picked.dtype)
     return -total / count
+
+
+def target_log_probs(log_scores: jax.Array, labels: jax.Array) -> jax.Array:
+    r"""Log-probability of each label under ``log_normalize(log_scores)``, without building it.
+
+    .. math:: \log p(y) = s_y - \operatorname{logsumexp}_m s_m
+
+    Args:
+      log_scores: ``[..., vocab]`` unnormalised log scores ``log g(z)``.
+      labels: ``[...]`` integer targets.
+
+    Returns:
+      ``[...]`` log-probabilities of the labels, dtype at least float32.
+    """
+    scores = as_compute(log_scores)
+    picked = jnp.take_along_axis(scores, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1))
+    return picked - row_max - jnp.log(jnp.sum(jnp.exp(scores - row_max[..., None]), axis=-1))
+
+
+# Live float32 [tokens, elements_per_token] buffers that the value-and-gradient of one chunk
+# keeps at its peak (scores, their exponentials, the gradient); measured with
+# compiled.memory_analysis() for every head in tests/nn/test_heads.py.
+_LIVE_BUFFERS_PER_ELEMENT = 4
+DEFAULT_MEMORY_BUDGET = 32 * 2**20
+
+
+def chunk_size_for_budget(num_tokens: int, elements_per_token: int, memory_budget: int) -> int:
+    """Tokens per chunk so that one chunk's float32 work stays within ``memory_budget`` bytes."""
+    if memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
+    bytes_per_token = 4 * _LIVE_BUFFERS_PER_ELEMENT * max(elements_per_token, 1)
+    return int(min(max(memory_budget // bytes_per_token, 1), max(num_tokens, 1)))
+
+
+def chunked_cross_entropy(
+    token_log_probs: Callable[[Any, jax.Array, jax.Array], jax.Array],
+    params: Any,
+    hidden: jax.Array,
+    labels: jax.Array,
+    where: jax.Array | None = None,
+    *,
+    elements_per_token: int,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> jax.Array:
+    r"""Mean NLL of an output head, computed in token chunks so peak memory stays bounded.
+
+    The one memory-bounded loss mechanism that every head in :mod:`bottleneck.nn` uses. The head
+    supplies ``token_log_probs(params, hidden_chunk [C, d], labels_chunk [C]) -> [C]``, the log
+    probability of each label (its logits, pointwise map, normalizer and mixture); this function
+    never holds more than one chunk's ``[C, elements_per_token]`` intermediates, never the full
+    ``[N, M]`` logits nor the ``[N, K, M]`` of a mixture.
+
+    The gradient is fused into the forward pass (as in Liger's fused linear cross-entropy): each
+    chunk's loss and gradient come from one ``jax.value_and_grad`` while its logits are live,
+    the parameter gradients accumulate in float32, and the custom VJP only scales the saved
+    gradients by the incoming cotangent. That costs the three matmuls of plain autodiff (logits,
+    d hidden, d weights) instead of the four of a recompute-in-backward scheme, and saves only
+    ``[N, d]`` + parameter-sized residuals. Without differentiation only the forward chunks run.
+    When everything fits in ``memory_budget`` there is a single chunk and no loop.
+
+    .. math:: \mathcal{L} = -\frac{1}{\sum_n w_n} \sum_n w_n \log p_\theta(y_n \mid h_n)
+
+    Args:
+      token_log_probs: pure function of ``(params, hidden [C, d], labels [C])`` returning ``[C]``.
+      params: pytree of parameters (differentiable).
+      hidden: ``[..., d]`` hidden states (differentiable).
+      labels: ``[...]`` integer targets.
+      where: optional ``[...]`` boolean mask of the positions that count.
+      elements_per_token: size of the per-token intermediate (``M``, ``K * M`` for a mixture).
+      memory_budget: bytes one chunk may use.
+
+    Returns:
+      Scalar mean NLL (float32), equal to ``cross_entropy(log_probs, labels, where)``.
+    """
+    require_float("hidden", hidden)
+    require_ndim("hidden", hidden, 1, "[..., d]")
+    labels = jnp.asarray(labels)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"labels must have an integer dtype, got {labels.dtype}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels must have shape {hidden.shape[:-1]} (hidden {hidden.shape} without its "
+            f"feature axis), got {labels.shape}"
+        )
+    if where is not None and jnp.shape(where) != labels.shape:
+        raise ValueError(
+            f"where must have shape {labels.shape} like labels, got {jnp.shape(where)}"
+        )
+    num_tokens = labels.size
+    hidden_flat = hidden.reshape(num_tokens, hidden.shape[-1])
+    labels_flat = labels.reshape(num_tokens).astype(jnp.int32)
+    if where is None:
+        weights = jnp.full((num_tokens,), 1.0 / max(num_tokens, 1), jnp.float32)
+    else:
+        mask = jnp.asarray(where, bool).reshape(num_tokens)
+        weights = mask.astype(jnp.float32) / jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
+    chunk = chunk_size_for_budget(num_tokens, elements_per_token, memory_budget)
+    padding = -num_tokens % chunk
+    if padding:  # padded tokens carry zero weight, so they change neither loss nor gradients
+        hidden_flat = jnp.pad(hidden_flat, ((0, padding), (0, 0)))
+        labels_flat = jnp.pad(labels_flat, (0, padding))
+        weights = jnp.pad(weights, (0, padding))
+    loss = _fused_weighted_nll(token_log_probs, chunk, params, hidden_flat, labels_flat, weights)
+    return loss
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused_weighted_nll(token_log_probs, chunk, params, hidden, labels, weights):
+    def chunk_loss(carry, xs):
+        h, y, w = xs
+        return carry - jnp.sum(w * token_log_probs(params, h, y).astype(jnp.float32)), None
+
+    xs = (_chunks(hidden, chunk), _chunks(labels, chunk), _chunks(weights, chunk))
+    return jax.lax.scan(chunk_loss, jnp.zeros((), jnp.float32), xs)[0]
+
+
+def _fused_weighted_nll_fwd(token_log_probs, chunk, params, hidden, labels, weights):
+    def value_and_grads(h, y, w):
+        def weighted_nll(p, h):
+            return -jnp.sum(w * token_log_probs(p, h, y).astype(jnp.float32))
+
+        return jax.value_and_grad(weighted_nll, argnums=(0, 1))(params, h)
+
+    if hidden.shape[0] == chunk:
+        loss, (grad_params, grad_hidden) = value_and_grads(hidden, labels, weights)
+    else:
+
+        def step(carry, xs):
+            loss, grad_params = carry
+            chunk_loss, (chunk_grad_params, grad_hidden) = value_and_grads(*xs)
+            grad_params = jax.tree.map(
+                lambda acc, g: acc + g.astype(jnp.float32), grad_params, chunk_grad_params
+            )
+            return (loss + chunk_loss, grad_params), grad_hidden
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        xs = (_chunks(hidden, chunk), _chunks(labels, chunk), _chunks(weights, chunk))
+        (loss, grad_params), grad_hidden = jax.lax.scan(
+            step, (jnp.zeros((), jnp.float32), zeros), xs
+        )
+        grad_hidden = grad_hidden.reshape(hidden.shape)
+        grad_params = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grad_params, params)
+    return loss, (grad_params, grad_hidden)
+
+
+def _fused_weighted_nll_bwd(token_log_probs, chunk, residuals, cotangent):
+    grad_params, grad_hidden = residuals
+    scale = cotangent.astype(jnp.float32)
+    return (
+        jax.tree.map(lambda g: (scale * g.astype(jnp.float32)).astype(g.dtype), grad_params),
+        (scale * grad_hidden.astype(jnp.float32)).astype(grad_hidden.dtype),
+        None,
+        None,
+    )
+
+
+_fused_weighted_nll.defvjp(_fused_weighted_nll_fwd, _fused_weighted_nll_bwd)

@@ -48,6 +48,24 @@ def log_normalize(log_scores: jax.Array, axis: int = -1) -> jax.Array:
     return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
 
 
+@jax.custom_jvp
+def _log_sigmoid(z: jax.Array) -> jax.Array:
+    """``log sigma(z) = min(z, 0) - log1p(exp(-|z|))``, exact for any finite ``z``.
+
+    Same values as ``jax.nn.log_sigmoid`` but about 4x faster on XLA:CPU, which lowers the
+    latter through ``logaddexp`` and its infinity handling (benchmarks/normalizers.py). The
+    derivative ``sigma(-z)`` is given explicitly: autodiff of ``min`` and ``abs`` gets it wrong
+    at ``z = 0``.
+    """
+    return jnp.minimum(z, 0) - jnp.log1p(jnp.exp(-jnp.abs(z)))
+
+
+@_log_sigmoid.defjvp
+def _log_sigmoid_jvp(primals, tangents):
+    (z,), (dz,) = primals, tangents
+    return _log_sigmoid(z), jax.nn.sigmoid(-z) * dz
+
+
 def softmax_log_scores(z: jax.Array) -> jax.Array:
     """``log g(z) = z`` for softmax (elementwise, any shape)."""
     require_float("z", z)
@@ -63,13 +81,13 @@ def sigsoftmax_log_scores(z: jax.Array) -> jax.Array:
     """
     require_float("z", z)
     z = as_compute(z)
-    return z + jax.nn.log_sigmoid(z)
+    return z + _log_sigmoid(z)
 
 
 def sigmoid_log_scores(z: jax.Array) -> jax.Array:
     r"""``log g(z) = log sigma(z)`` for Kanai's sigmoid-based normalizer (eq. 35)."""
     require_float("z", z)
-    return jax.nn.log_sigmoid(as_compute(z))
+    return _log_sigmoid(as_compute(z))
 
 
 def relu_log_scores(z: jax.Array, eps: float = 1e-8) -> jax.Array:

@@ -159,3 +159,12 @@ def test_log_normalize_with_any_scores():
     np.testing.assert_allclose(
         jnp.exp(bn.log_normalize(scores)), [[0.25, 0.75], [0.5, 0.5]], atol=1e-7
     )
+
+
+def test_log_sigmoid_matches_jax_in_value_and_gradient():
+    from bottleneck.normalizers import _log_sigmoid
+
+    z = jnp.array([-1e4, -100.0, -20.0, -1.0, -1e-7, 0.0, 1e-7, 1.0, 20.0, 100.0, 1e4])
+    np.testing.assert_allclose(_log_sigmoid(z), jax.nn.log_sigmoid(z), rtol=1e-6, atol=1e-30)
+    grad = jax.vmap(jax.grad(_log_sigmoid))(z)
+    np.testing.assert_allclose(grad, jax.nn.sigmoid(-z), rtol=1e-6, atol=1e-30)

@@ -1,0 +1,390 @@
+"""Output heads: hidden states ``[..., d]`` -> log-probabilities ``[..., M]`` (Flax NNX).
+
+Every head is the same pipeline, ``logits (W h + b) -> pointwise map -> log-space normalizer
+-> mixture (optional)``, and differs only in the pieces it overrides:
+
+* :meth:`OutputHead.log_scores`, the elementwise ``log g`` of its normalizer (softmax: ``z``;
+  sigsoftmax: ``z + log sigma(z)``; PLIF: ``plif(z)``; ...);
+* :meth:`OutputHead.components`, the hidden vector(s) fed to the decoder and the mixture prior
+  (one component and no prior, except for :class:`MixtureHead`).
+
+``head(h)`` returns full log-probabilities; ``head.loss(h, labels, where)`` returns the mean
+NLL through :func:`bottleneck.losses.chunked_cross_entropy`, which never holds the full
+``[N, M]`` logits (nor ``[N, K, M]`` for a mixture). No head has a loss of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bottleneck.losses import DEFAULT_MEMORY_BUDGET, chunked_cross_entropy, target_log_probs
+from bottleneck.mixtures import mixture_log_probs
+from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
+from bottleneck.normalizers import (
+    log_normalize,
+    relu_log_scores,
+    sigmoid_log_scores,
+    sigsoftmax_log_scores,
+    softmax_log_scores,
+)
+
+
+def uniform_init(scale: float) -> Callable[..., jax.Array]:
+    """``U(-scale, scale)`` initializer (the decoder init of Merity et al. and Yang et al.)."""
+
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        return jax.random.uniform(key, shape, dtype, -scale, scale)
+
+    return init
+
+
+class OutputHead(nnx.Module):
+    """Base output head: ``log_normalize(log_scores(W h + b))``; plain softmax as is.
+
+    Args:
+      in_features: ``d``, size of the hidden states fed to the decoder.
+      vocab_size: ``M``.
+      rngs: NNX random streams (``params``).
+      tied_embedding: an ``nnx.Embed`` (or its ``[M, d]`` ``nnx.Param``) whose table is used
+        as the decoder ``W`` (weight tying, Press & Wolf 2017; Merity et al.).
+      use_bias: learn an output bias ``b`` ``[M]`` (zeros at init).
+      memory_budget: bytes one chunk of :meth:`loss` may use.
+      param_dtype: dtype of the parameters; logits and reductions are float32 regardless.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        *,
+        rngs: nnx.Rngs,
+        tied_embedding: nnx.Embed | nnx.Param | None = None,
+        use_bias: bool = True,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        param_dtype: Any = jnp.float32,
+    ):
+        if in_features < 1 or vocab_size < 1:
+            raise ValueError(
+                f"in_features and vocab_size must be >= 1, got {in_features} and {vocab_size}"
+            )
+        self.in_features = in_features
+        self.vocab_size = vocab_size
+        self.memory_budget = memory_budget
+        if tied_embedding is None:
+            self.decoder = nnx.Param(
+                uniform_init(0.1)(rngs.params(), (vocab_size, self.decoder_features), param_dtype)
+            )
+        else:
+            table = (
+                tied_embedding.embedding
+                if isinstance(tied_embedding, nnx.Embed)
+                else tied_embedding
+            )
+            if table.shape != (vocab_size, self.decoder_features):
+                raise ValueError(
+                    f"tied_embedding must have shape [vocab_size, {self.decoder_features}] = "
+                    f"{(vocab_size, self.decoder_features)}, got {table.shape}"
+                )
+            self.decoder = table
+        self.bias = nnx.Param(jnp.zeros((vocab_size,), param_dtype)) if use_bias else None
+
+    @property
+    def decoder_features(self) -> int:
+        """Width of the vectors the decoder ``W`` multiplies (``d``; a mixture's latent size)."""
+        return self.in_features
+
+    @property
+    def num_components(self) -> int:
+        return 1
+
+    @property
+    def elements_per_token(self) -> int:
+        """Size of one token's largest intermediate, for :meth:`loss`'s chunk sizing."""
+        return self.num_components * self.vocab_size
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """``W x + b``: ``[..., decoder_features] -> [..., M]``, accumulated in float32."""
+        z = jnp.einsum("...d,md->...m", x, self.decoder[...], preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            z = z + self.bias[...].astype(jnp.float32)
+        return z
+
+    def log_scores(self, z: jax.Array) -> jax.Array:
+        """The normalizer's elementwise ``log g(z)``; ``z`` for softmax."""
+        return softmax_log_scores(z)
+
+    def components(self, h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """``h [..., d]`` -> decoder inputs ``[..., K, d']`` and log prior ``[..., K]`` (or None)."""
+        return h[..., None, :], None
+
+    def _check_hidden(self, h: jax.Array) -> None:
+        if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != self.in_features:
+            raise ValueError(f"h must have shape [..., {self.in_features}], got {jnp.shape(h)}")
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        """Full log-probabilities ``[..., M]`` for hidden states ``h [..., d]``."""
+        self._check_hidden(h)
+        inputs, log_prior = self.components(h)
+        component_log_probs = log_normalize(self.log_scores(self.logits(inputs)))
+        if log_prior is None:
+            return component_log_probs[..., 0, :]
+        return mixture_log_probs(component_log_probs, log_prior)
+
+    def label_log_probs(self, h: jax.Array, labels: jax.Array) -> jax.Array:
+        """``log p(labels | h)``, ``[...]``, without normalizing the whole vocabulary twice."""
+        inputs, log_prior = self.components(h)
+        scores = self.log_scores(self.logits(inputs))
+        per_component = target_log_probs(
+            scores, jnp.broadcast_to(labels[..., None], scores.shape[:-1])
+        )
+        if log_prior is None:
+            return per_component[..., 0]
+        joint = per_component + log_prior.astype(jnp.float32)
+        return jax.nn.logsumexp(joint, axis=-1)
+
+    def loss(self, h: jax.Array, labels: jax.Array, where: jax.Array | None = None) -> jax.Array:
+        """Mean NLL over unmasked positions, in memory-bounded chunks.
+
+        Equal to ``bn.cross_entropy(self(h), labels, where)`` to float32 round-off, gradients
+        included, while peak memory stays within ``memory_budget`` per chunk.
+
+        Args:
+          h: ``[..., d]`` hidden states.
+          labels: ``[...]`` integer targets in ``[0, M)``.
+          where: optional ``[...]`` boolean mask.
+
+        Returns:
+          Scalar float32 loss.
+        """
+        self._check_hidden(h)
+        graphdef, state = nnx.split(self)
+
+        def token_log_probs(state: nnx.State, h: jax.Array, labels: jax.Array) -> jax.Array:
+            return nnx.merge(graphdef, state).label_log_probs(h, labels)
+
+        return chunked_cross_entropy(
+            token_log_probs,
+            state,
+            h,
+            labels,
+            where,
+            elements_per_token=self.elements_per_token,
+            memory_budget=self.memory_budget,
+        )
+
+
+class SoftmaxHead(OutputHead):
+    """``log_softmax(W h + b)``: the bottlenecked baseline (rank <= d + 1 without the bias)."""
+
+
+class SigsoftmaxHead(OutputHead):
+    """``log_sigsoftmax(W h + b)`` (Kanai et al. 2018, eq. 11)."""
+
+    def log_scores(self, z: jax.Array) -> jax.Array:
+        return sigsoftmax_log_scores(z)
+
+
+class SigmoidHead(OutputHead):
+    """Kanai's sigmoid-based normalizer ``sigma(z_i) / sum_m sigma(z_m)`` (eq. 35)."""
+
+    def log_scores(self, z: jax.Array) -> jax.Array:
+        return sigmoid_log_scores(z)
+
+
+class ReLUHead(OutputHead):
+    """Kanai's ReLU-based normalizer ``(relu(z_i) + eps) / sum_m (relu(z_m) + eps)`` (eq. 34)."""
+
+    def __init__(
+        self, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, eps: float = 1e-8, **options
+    ):
+        super().__init__(in_features, vocab_size, rngs=rngs, **options)
+        self.eps = eps
+
+    def log_scores(self, z: jax.Array) -> jax.Array:
+        return relu_log_scores(z, eps=self.eps)
+
+
+class PLIFHead(OutputHead):
+    """``log_softmax(plif(W h + b))``: LMS-PLIF (Ganea et al. 2019).
+
+    Args:
+      num_knots: ``K`` segments of the PLIF on ``[-bound, bound]`` (10^5 in the paper).
+      bound: ``T``.
+      plif_noise: std of the Gaussian noise added to the identity slopes at init.
+      (others as :class:`OutputHead`.) The slopes are the parameter ``raw_slopes``; give
+      them their own learning rate with :func:`param_labels`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        *,
+        rngs: nnx.Rngs,
+        num_knots: int = 100_000,
+        bound: float = 20.0,
+        plif_noise: float = 0.0,
+        **options,
+    ):
+        super().__init__(in_features, vocab_size, rngs=rngs, **options)
+        self.bound = bound
+        self.raw_slopes = nnx.Param(plif_init(rngs.params(), num_knots, noise=plif_noise))
+
+    def log_scores(self, z: jax.Array) -> jax.Array:
+        return plif(z, self.raw_slopes[...], bound=self.bound)
+
+
+class MonotoneMLPHead(OutputHead):
+    """``log_softmax(f(W h + b))`` with Ganea's positive-weight monotone net ``f``.
+
+    Its hidden layer costs ``[N, M, num_hidden]`` (the reason Ganea et al. moved to PLIF);
+    :meth:`loss` sizes its chunks for that.
+    """
+
+    def __init__(
+        self, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, num_hidden: int = 16, **options
+    ):
+        super().__init__(in_features, vocab_size, rngs=rngs, **options)
+        self.monotone = nnx.data(
+            {k: nnx.Param(v) for k, v in monotone_mlp_init(rngs.params(), num_hidden).items()}
+        )
+        self.num_hidden = num_hidden
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.vocab_size * self.num_hidden
+
+    def log_scores(self, z: jax.Array) -> jax.Array:
+        return monotone_mlp(z, {k: v[...] for k, v in self.monotone.items()})
+
+
+_MIXTURE_NORMALIZERS = ("softmax", "sigsoftmax", "plif")
+
+
+class MixtureHead(OutputHead):
+    r"""Mixture of softmaxes (Yang et al. 2018) and its variants MoSS (Kanai) and MoS + PLIF.
+
+    .. math::
+       h_k = \tanh(W_k h + c_k), \quad \pi = \mathrm{norm}(w_\pi^\top h), \quad
+       p(x \mid h) = \sum_{k=1}^{K} \pi_k\, \mathrm{normalizer}(W h_k + b)_x
+
+    with a decoder ``W`` shared by the components. ``normalizer`` is ``"softmax"`` (MoS),
+    ``"sigsoftmax"`` (MoSS; its prior is a sigsoftmax too, as in Kanai et al.) or ``"plif"``
+    (MoS over PLIF-mapped logits, Ganea et al.). All mixing is in log space.
+
+    Args:
+      num_components: ``K`` (15 in Yang et al.).
+      normalizer: see above.
+      latent_features: ``d'``, the width of each ``h_k`` and of the decoder (default ``d``).
+      num_knots, bound, plif_noise: PLIF options for ``normalizer="plif"``.
+      (others as :class:`OutputHead`; a tied embedding must be ``[M, d']``.)
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        *,
+        rngs: nnx.Rngs,
+        num_components: int = 15,
+        normalizer: str = "softmax",
+        latent_features: int | None = None,
+        num_knots: int = 100_000,
+        bound: float = 20.0,
+        plif_noise: float = 0.0,
+        **options,
+    ):
+        if normalizer not in _MIXTURE_NORMALIZERS:
+            raise ValueError(
+                f"normalizer must be one of {_MIXTURE_NORMALIZERS}, got {normalizer!r}"
+            )
+        if num_components < 1:
+            raise ValueError(f"num_components must be >= 1, got {num_components}")
+        self.latent_features = latent_features or in_features
+        self._num_components = num_components
+        super().__init__(in_features, vocab_size, rngs=rngs, **options)
+        self.normalizer = normalizer
+        param_dtype = options.get("param_dtype", jnp.float32)
+        self.latent = nnx.Linear(
+            in_features, num_components * self.latent_features, rngs=rngs, param_dtype=param_dtype
+        )
+        self.prior = nnx.Linear(
+            in_features, num_components, use_bias=False, rngs=rngs, param_dtype=param_dtype
+        )
+        if normalizer == "plif":
+            self.bound = bound
+            self.raw_slopes = nnx.Param(plif_init(rngs.params(), num_knots, noise=plif_noise))
+
+    @property
+    def decoder_features(self) -> int:
+        return self.latent_features
+
+    @property
+    def num_components(self) -> int:
+        return self._num_components
+
+    def log_scores(self, z: jax.Array) -> jax.Array:
+        if self.normalizer == "sigsoftmax":
+            return sigsoftmax_log_scores(z)
+        if self.normalizer == "plif":
+            return plif(z, self.raw_slopes[...], bound=self.bound)
+        return softmax_log_scores(z)
+
+    def components(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        latent = jnp.tanh(self.latent(h))
+        latent = latent.reshape(*h.shape[:-1], self.num_components, self.latent_features)
+        prior_logits = self.prior(h).astype(jnp.float32)
+        prior_scores = (
+            sigsoftmax_log_scores(prior_logits) if self.normalizer == "sigsoftmax" else prior_logits
+        )
+        return latent, log_normalize(prior_scores)
+
+
+_HEADS: dict[str, tuple[type[OutputHead], dict[str, Any]]] = {
+    "softmax": (SoftmaxHead, {}),
+    "sigsoftmax": (SigsoftmaxHead, {}),
+    "sigmoid": (SigmoidHead, {}),
+    "relu": (ReLUHead, {}),
+    "plif": (PLIFHead, {}),
+    "monotone_mlp": (MonotoneMLPHead, {}),
+    "mos": (MixtureHead, {"normalizer": "softmax"}),
+    "moss": (MixtureHead, {"normalizer": "sigsoftmax"}),
+    "mos_plif": (MixtureHead, {"normalizer": "plif"}),
+}
+HEAD_NAMES = tuple(_HEADS)
+
+
+def make_head(
+    name: str, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, **options
+) -> OutputHead:
+    """Builds a head by name (for CLIs): one of :data:`HEAD_NAMES`.
+
+    ``"mos"``, ``"moss"`` and ``"mos_plif"`` are :class:`MixtureHead` with the softmax,
+    sigsoftmax and PLIF normalizer. ``options`` go to the head's constructor.
+    """
+    if name not in _HEADS:
+        raise ValueError(f"unknown head {name!r}; choose one of {', '.join(HEAD_NAMES)}")
+    head_cls, fixed = _HEADS[name]
+    return head_cls(in_features, vocab_size, rngs=rngs, **fixed, **options)
+
+
+PLIF_SLOPES_LABEL = "plif_slopes"
+
+
+def param_labels(params: Any) -> Any:
+    """Optax labels for a parameter pytree: ``"plif_slopes"`` for PLIF slopes, else ``"default"``.
+
+    For ``optax.multi_transform`` so the slopes get their own learning rate (0.02 in Ganea et
+    al.), e.g. ``optax.multi_transform({"default": sgd, "plif_slopes": adam}, param_labels)``.
+    """
+
+    def label(path: tuple[Any, ...], _: Any) -> str:
+        names = {getattr(entry, "key", getattr(entry, "name", None)) for entry in path}
+        return PLIF_SLOPES_LABEL if "raw_slopes" in names else "default"
+
+    return jax.tree_util.tree_map_with_path(label, params)

@@ -1,0 +1,248 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import bottleneck as bn
+from bottleneck import nn
+from bottleneck.losses import chunk_size_for_budget
+
+D, M = 16, 64
+SMALL_OPTIONS = {
+    "plif": {"num_knots": 200, "plif_noise": 1.0},
+    "monotone_mlp": {"num_hidden": 5},
+    "mos": {"num_components": 3},
+    "moss": {"num_components": 3},
+    "mos_plif": {"num_components": 3, "num_knots": 200, "plif_noise": 1.0},
+}
+
+
+def make(name, **options):
+    return nn.make_head(name, D, M, rngs=nnx.Rngs(0), **{**SMALL_OPTIONS.get(name, {}), **options})
+
+
+def _inputs(shape=(3, 11)):
+    kh, ky, kw = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(kh, (*shape, D))
+    labels = jax.random.randint(ky, shape, 0, M)
+    where = jax.random.bernoulli(kw, 0.7, shape)
+    return h, labels, where
+
+
+def _full_and_chunked(head, h, labels, where):
+    graphdef, state = nnx.split(head)
+
+    def full(state, h):
+        return bn.cross_entropy(nnx.merge(graphdef, state)(h), labels, where)
+
+    def chunked(state, h):
+        return nnx.merge(graphdef, state).loss(h, labels, where)
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(state, h)  # noqa: E731
+    return grad(full), grad(chunked)
+
+
+@pytest.mark.parametrize("name", nn.HEAD_NAMES)
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+@pytest.mark.parametrize("memory_budget", [2**30, 10_000], ids=["one_chunk", "many_chunks"])
+def test_loss_equals_cross_entropy_of_full_log_probs(name, masked, memory_budget):
+    head = make(name, memory_budget=memory_budget)
+    h, labels, where = _inputs()
+    (full, full_grads), (chunked, chunked_grads) = _full_and_chunked(
+        head, h, labels, where if masked else None
+    )
+    np.testing.assert_allclose(chunked, full, rtol=1e-6)
+    chex.assert_trees_all_close(chunked_grads, full_grads, rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(chunked_grads[1]))) > 0  # the comparison is not vacuous
+
+
+def test_budget_splits_into_chunks_with_padding():
+    assert chunk_size_for_budget(33, M, 2**30) == 33
+    assert chunk_size_for_budget(33, M, 10_000) == 9  # 10_000 // (16 * 64): 4 chunks, 3 padded
+    assert chunk_size_for_budget(33, 3 * M, 10_000) == 3  # a K = 3 mixture: 11 chunks
+    with pytest.raises(ValueError, match="memory_budget must be a positive"):
+        chunk_size_for_budget(33, M, 0)
+
+
+@pytest.mark.parametrize("name", ["softmax", "plif", "mos"])
+def test_tied_embedding_shares_and_trains_one_table(name):
+    class TiedModel(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(M, D, rngs=rngs)
+            extra = {"latent_features": D} if name == "mos" else {}
+            self.head = nn.make_head(
+                name,
+                D,
+                M,
+                rngs=rngs,
+                tied_embedding=self.embed,
+                **SMALL_OPTIONS.get(name, {}),
+                **extra,
+            )
+
+        def loss(self, tokens, labels):
+            return self.head.loss(self.embed(tokens), labels)
+
+        def full_loss(self, tokens, labels):
+            return bn.cross_entropy(self.head(self.embed(tokens)), labels)
+
+    model = TiedModel(nnx.Rngs(0))
+    assert model.head.decoder is model.embed.embedding
+    tokens, labels = _inputs()[1], jnp.roll(_inputs()[1], 1)
+    chunked = nnx.grad(lambda m: m.loss(tokens, labels))(model)
+    full = nnx.grad(lambda m: m.full_loss(tokens, labels))(model)
+    chex.assert_trees_all_close(chunked, full, rtol=1e-5, atol=1e-6)
+    # One shared table: the gradient holds both its embedding and its decoder contributions.
+    untied = nnx.grad(
+        lambda m: bn.cross_entropy(m.head(jax.lax.stop_gradient(m.embed(tokens))), labels)
+    )(model)
+    assert not np.allclose(full["embed"]["embedding"][...], untied["embed"]["embedding"][...])
+
+
+def test_tied_embedding_shape_is_checked():
+    with pytest.raises(ValueError, match=r"tied_embedding must have shape \[vocab_size, 16\]"):
+        nn.SoftmaxHead(D, M, rngs=nnx.Rngs(0), tied_embedding=nnx.Embed(M, D + 1, rngs=nnx.Rngs(0)))
+
+
+def test_no_bias_option():
+    head = make("sigsoftmax", use_bias=False)
+    assert head.bias is None
+    h, labels, where = _inputs()
+    (full, _), (chunked, _) = _full_and_chunked(head, h, labels, where)
+    np.testing.assert_allclose(chunked, full, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", nn.HEAD_NAMES)
+def test_call_gives_normalized_log_probs_with_any_leading_shape(name):
+    head = make(name)
+    h, _, _ = _inputs((2, 3, 4))
+    log_probs = nnx.jit(lambda m, h: m(h))(head, h)
+    chex.assert_shape(log_probs, (2, 3, 4, M))
+    np.testing.assert_allclose(jnp.sum(jnp.exp(log_probs), -1), 1.0, atol=1e-5)
+
+
+def test_rank_of_softmax_head_bounded_others_not():
+    """With an output bias, log_softmax(W h + b) has rank <= d + 2 (Kanai Sec. 4.3: 402 for d = 400)."""
+    h = jax.random.normal(jax.random.key(3), (200, D))
+    ranks = {}
+    for name in ("softmax", "sigsoftmax", "plif", "mos"):
+        head = make(name)
+        if name == "plif":
+            head.raw_slopes[...] = head.raw_slopes[...] + 2.0 * jax.random.normal(
+                jax.random.key(4), (200,)
+            )
+        head.bias[...] = jax.random.normal(jax.random.key(5), (M,))
+        ranks[name] = int(bn.numerical_rank(head(h)))
+    assert ranks["softmax"] <= D + 2
+    assert all(ranks[name] > D + 2 for name in ("sigsoftmax", "plif", "mos")), ranks
+
+
+def test_bfloat16_parameters_accumulate_in_float32():
+    head = make("plif", param_dtype=jnp.bfloat16)
+    head.raw_slopes[...] = head.raw_slopes[...].astype(jnp.float32)
+    h, labels, _ = _inputs()
+    h16 = h.astype(jnp.bfloat16)
+    loss, grads = nnx.value_and_grad(lambda m: m.loss(h16, labels))(head)
+    assert loss.dtype == jnp.float32
+    assert grads["decoder"][...].dtype == jnp.bfloat16
+    reference = bn.cross_entropy(head(h16), labels)
+    np.testing.assert_allclose(loss, reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda: nn.make_head("softmaxx", D, M, rngs=nnx.Rngs(0)),
+            "unknown head 'softmaxx'; choose one of softmax",
+        ),
+        (
+            lambda: nn.MixtureHead(D, M, rngs=nnx.Rngs(0), normalizer="relu"),
+            "normalizer must be one of",
+        ),
+        (
+            lambda: nn.MixtureHead(D, M, rngs=nnx.Rngs(0), num_components=0),
+            "num_components must be >= 1",
+        ),
+        (lambda: nn.SoftmaxHead(D, 0, rngs=nnx.Rngs(0)), "vocab_size must be >= 1"),
+        (lambda: make("plif", num_knots=0), "num_knots must be >= 1"),
+    ],
+)
+def test_bad_construction_raises(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_bad_call_arguments_raise():
+    head = make("softmax")
+    h, labels, _ = _inputs()
+    with pytest.raises(ValueError, match=r"h must have shape \[\.\.\., 16\]"):
+        head.loss(h[..., :-1], labels)
+    with pytest.raises(ValueError, match=r"labels must have shape \(3, 11\)"):
+        head.loss(h, labels[:, :-1])
+    with pytest.raises(ValueError, match="labels must have an integer dtype"):
+        head.loss(h, labels.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"h must have shape \[\.\.\., 16\]"):
+        head(h[..., :-1])
+
+
+def test_plif_slopes_get_their_own_learning_rate():
+    head = make("mos_plif")
+    tx = optax.multi_transform(
+        {"default": optax.sgd(0.0), "plif_slopes": optax.sgd(0.02)}, nn.param_labels
+    )
+    optimizer = nnx.Optimizer(head, tx, wrt=nnx.Param)
+    before = nnx.clone(head)
+    h, labels, _ = _inputs()
+    grads = nnx.grad(lambda m: m.loss(h, labels))(head)
+    optimizer.update(head, grads)
+    np.testing.assert_array_equal(head.decoder[...], before.decoder[...])
+    np.testing.assert_allclose(
+        head.raw_slopes[...],
+        before.raw_slopes[...] - 0.02 * grads["raw_slopes"][...],
+        rtol=1e-6,
+        atol=1e-7,
+    )
+    assert not np.array_equal(head.raw_slopes[...], before.raw_slopes[...])
+
+
+def test_memory_bound_at_scale_for_every_head():
+    """Compiled temporaries of value_and_grad(loss) at N=4096, d=256, M=32768 stay below 1/4 of
+    the full float32 logits (512 MiB) for every head, mixtures (K=4) included; a naive head needs
+    about three times the full logits."""
+    num_tokens, dim, vocab = 4096, 256, 32768
+    full_logits_bytes = num_tokens * vocab * 4
+    h = jax.ShapeDtypeStruct((num_tokens, dim), jnp.float32)
+    labels = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
+    options = {
+        "plif": {"num_knots": 100_000},
+        "monotone_mlp": {"num_hidden": 8},
+        "mos": {"num_components": 4},
+        "moss": {"num_components": 4},
+        "mos_plif": {"num_components": 4, "num_knots": 100_000},
+    }
+    temps = {}
+    for name in nn.HEAD_NAMES:
+        head = nn.make_head(name, dim, vocab, rngs=nnx.Rngs(0), **options.get(name, {}))
+        graphdef, state = nnx.split(head)
+
+        def loss(state, h, labels, graphdef=graphdef):
+            return nnx.merge(graphdef, state).loss(h, labels)
+
+        compiled = (
+            jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, h, labels).compile()
+        )
+        temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    assert all(temp < full_logits_bytes / 4 for temp in temps.values()), temps
+
+    graphdef, state = nnx.split(nn.SoftmaxHead(dim, vocab, rngs=nnx.Rngs(0)))
+    naive = jax.jit(
+        jax.value_and_grad(
+            lambda s, h, y: bn.cross_entropy(nnx.merge(graphdef, s)(h), y), argnums=(0, 1)
+        )
+    )
+    naive_temp = naive.lower(state, h, labels).compile().memory_analysis().temp_size_in_bytes
+    assert naive_temp > 2 * full_logits_bytes  # the bound above is a real saving
