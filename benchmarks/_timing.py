@@ -1,0 +1,103 @@
+"""Shared timing helpers for the benchmark scripts.
+
+The main entry point is :func:`time_interleaved`: it runs several zero-argument callables in
+turn, repetition after repetition, so that slow drifts of the machine (other processes,
+thermal throttling) hit every candidate alike. Compare candidates with :func:`median_ratio`,
+the median of per-repetition ratios, which is robust to a noisy repetition that slowed both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], Any]],
+    repeats: int,
+    warmup: int = 1,
+    on_call: Callable[[int], object] | None = None,
+) -> dict[str, list[float]]:
+    """Wall-clock milliseconds of each callable, measured in interleaved repetitions.
+
+    Each callable is first called ``warmup`` times (this is where jit compiles), then each
+    repetition calls every callable once; the order flips on odd repetitions so that no
+    candidate always runs right after the same neighbour. Results are waited for with
+    ``jax.block_until_ready`` inside the timed region.
+
+    Args:
+      fns: name -> zero-argument callable returning JAX arrays (or any pytree of them).
+      repeats: number of timed repetitions.
+      warmup: untimed calls of each callable before timing.
+      on_call: called with 1 after every call, warm-up included (e.g. ``tqdm.update``).
+
+    Returns:
+      name -> ``repeats`` timings in milliseconds, in repetition order, so that
+      ``times[a][i]`` and ``times[b][i]`` come from the same repetition.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+            if on_call is not None:
+                on_call(1)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for repetition in range(repeats):
+        for name in names if repetition % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name]())
+            times[name].append(1e3 * (time.perf_counter() - start))
+            if on_call is not None:
+                on_call(1)
+    return times
+
+
+def median_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
+    """Median over repetitions of ``numerator[i] / denominator[i]``."""
+    if len(numerator) != len(denominator):
+        raise ValueError(f"got {len(numerator)} and {len(denominator)} timings")
+    return statistics.median(n / d for n, d in zip(numerator, denominator, strict=True))
+
+
+def medians(times: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Median milliseconds of each named timing list."""
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the numbers come from: OS/CPU, core count, Python, JAX version and backend."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax_version": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(device) for device in jax.devices()],
+    }
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; floats are shown with one decimal, other cells with ``str``."""
+
+    def cell(value: object) -> str:
+        return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
+    """Writes ``payload`` as indented JSON, creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
