@@ -1,4 +1,4 @@
-"""Flax NNX modules: output heads and the mixture-of-experts dense layer."""
+"""Flax NNX modules: output heads, the mixture-of-experts dense layer, models around a head."""
 
 from bottleneck.nn.heads import (
     HEAD_NAMES,
@@ -13,9 +13,14 @@ from bottleneck.nn.heads import (
     make_head,
     param_labels,
 )
+from bottleneck.nn.models import ContextEmbeddingModel
+from bottleneck.nn.moe import DenseMoE, dense_moe
 
 __all__ = [
     "HEAD_NAMES",
+    "ContextEmbeddingModel",
+    "DenseMoE",
+    "dense_moe",
     "MixtureHead",
     "MonotoneMLPHead",
     "OutputHead",

@@ -1,0 +1,419 @@
+"""The thin layer every experiment script shares: config CLI, run folder, tables, progress bars.
+
+An experiment is a flat script with a config dataclass and a few named presets (big_vision
+style). :func:`parse_config` turns the dataclass into a command line, :func:`open_run` records the
+config and writes results into one output folder, :func:`print_table` prints the summary.
+
+Example script::
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        width: int = 128
+        experts: tuple[int, ...] = (2, 4)
+        seed: int = 0
+        out_dir: str = "runs/example"
+
+        def validate(self) -> None:
+            if self.width < 1:
+                raise ValueError(f"width must be >= 1, got {self.width}")
+
+    config = parse_config(Config, {"smoke": {"width": 16}}, sys.argv[1:])
+    run = open_run(config.out_dir, config)
+    run.log_metrics({"step": 0, "loss": 1.0})
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import shlex
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+ConfigT = TypeVar("ConfigT")
+T = TypeVar("T")
+
+DEFAULT_PRESET = "default"
+
+
+# ----------------------------------------------------------------------------------------------
+# Config from the command line
+
+
+def parse_config(
+    config_cls: type[ConfigT],
+    presets: Mapping[str, ConfigT | Mapping[str, Any]],
+    argv: Sequence[str] | None = None,
+    *,
+    description: str | None = None,
+) -> ConfigT:
+    """Build a config from a named preset plus one ``--field value`` flag per dataclass field.
+
+    The flags are derived from the field types: ``int``, ``float``, ``str``, ``bool``
+    (``--flag`` / ``--no-flag``), ``tuple[X, ...]`` / ``list[X]`` of those scalars as
+    comma-separated values (``--experts 2,4,8``), and ``X | None`` (the value ``none``). Flags
+    given on the command line override the preset; the preset overrides the dataclass defaults.
+    A preset is a config instance or a mapping of field overrides; ``"default"`` (the dataclass
+    defaults unless ``presets`` redefines it) is always available and used when ``--preset`` is
+    not given.
+
+    If the config has a ``validate()`` method it is called on the result; a ``ValueError`` from
+    it (or from the dataclass constructor) becomes an argparse error: the usage and the message go
+    to stderr and the process exits with status 2, as for a malformed flag value.
+
+    Args:
+      config_cls: a dataclass type.
+      presets: named presets.
+      argv: the arguments without the program name; ``None`` for ``sys.argv[1:]``.
+      description: shown by ``--help`` (defaults to the config's docstring).
+
+    Returns:
+      The config instance.
+
+    Example:
+      >>> @dataclasses.dataclass
+      ... class Config:
+      ...     width: int = 8
+      ...     experts: tuple[int, ...] = (2, 4)
+      ...     plot: bool = True
+      >>> parse_config(Config, {"big": {"width": 64}}, ["--preset", "big", "--experts", "3,5"])
+      Config(width=64, experts=(3, 5), plot=True)
+    """
+    if not dataclasses.is_dataclass(config_cls) or not isinstance(config_cls, type):
+        raise TypeError(f"config_cls must be a dataclass type, got {config_cls!r}")
+    # "default" is the dataclass defaults (no overrides) unless the script defines it.
+    presets = {DEFAULT_PRESET: {}, **presets}
+    fields = [f for f in dataclasses.fields(config_cls) if f.init]
+    field_types = typing.get_type_hints(config_cls)
+
+    parser = argparse.ArgumentParser(
+        description=description or config_cls.__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        choices=sorted(presets),
+        help="named starting point; the flags below override it",
+    )
+    for field in fields:
+        _add_field_flag(parser, field, field_types[field.name])
+    args = parser.parse_args(argv)
+
+    overrides = {f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)}
+    try:
+        config = dataclasses.replace(_preset_config(config_cls, presets[args.preset]), **overrides)
+        validate = getattr(config, "validate", None)
+        if callable(validate):
+            validate()
+    except ValueError as err:
+        # A bad combination of values is a usage error like a malformed flag: exit status 2.
+        parser.error(f"invalid config (preset {args.preset!r}): {err}")
+    return config
+
+
+def _preset_config(config_cls: type[ConfigT], preset: ConfigT | Mapping[str, Any]) -> ConfigT:
+    """A preset as a config instance: instances are used as they are, mappings override defaults."""
+    if isinstance(preset, config_cls):
+        return preset
+    if isinstance(preset, Mapping):
+        return config_cls(**preset)
+    raise TypeError(f"a preset must be a {config_cls.__name__} or a mapping, got {preset!r}")
+
+
+def _add_field_flag(parser: argparse.ArgumentParser, field: dataclasses.Field, tp: Any) -> None:
+    """Add ``--<field name>`` (underscores kept) for one dataclass field, typed from ``tp``."""
+    names = [f"--{field.name}"]
+    help_text = field.metadata.get("help", "")
+    if field.default is not dataclasses.MISSING:
+        help_text = f"{help_text} (dataclass default: {_format_default(field.default)})".strip()
+    # SUPPRESS: a flag that is not given leaves no attribute, so the preset's value stays.
+    if tp is bool:
+        parser.add_argument(
+            *names,
+            dest=field.name,
+            action=argparse.BooleanOptionalAction,
+            default=argparse.SUPPRESS,
+            help=help_text,
+        )
+        return
+    parser.add_argument(
+        *names,
+        dest=field.name,
+        type=_value_parser(tp, field.name),
+        default=argparse.SUPPRESS,
+        metavar=_metavar(tp),
+        help=help_text,
+    )
+
+
+def _value_parser(tp: Any, name: str) -> Callable[[str], Any]:
+    """A function from the flag's text to a value of type ``tp``; raises ``ArgumentTypeError``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        parse_inner = _value_parser(inner, name)
+        return lambda text: None if text.strip().lower() == "none" else parse_inner(text)
+    if tp in (int, float, str, bool):
+        return _scalar_parser(tp)
+    if origin in (tuple, list):
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            item_types, length = (args[0],), None
+        elif origin is tuple and args:
+            item_types, length = args, len(args)
+        else:
+            item_types, length = (args[0] if args else str,), None
+        for item in item_types:
+            if item not in (int, float, str, bool):
+                raise TypeError(f"field {name!r}: unsupported item type {item!r} in {tp!r}")
+        return _sequence_parser(origin, item_types, length)
+    raise TypeError(f"field {name!r}: unsupported type {tp!r} for a command-line flag")
+
+
+def _format_default(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _scalar_parser(tp: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        if tp is str:
+            return text
+        text = text.strip()
+        if tp is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+        try:
+            return tp(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {tp.__name__}, got {text!r}") from None
+
+    return parse
+
+
+def _sequence_parser(
+    origin: type, item_types: tuple[type, ...], length: int | None
+) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        # Tolerate the Python spelling "(2, 4)" / "[2, 4]" as well as "2,4"; "" is empty.
+        text = text.strip().strip("()[]")
+        items = [t.strip() for t in text.split(",")] if text.strip() else []
+        if items and items[-1] == "":  # A trailing comma, as in "(2,)".
+            items.pop()
+        if length is not None and len(items) != length:
+            raise argparse.ArgumentTypeError(
+                f"expected {length} comma-separated values, got {len(items)} in {text!r}"
+            )
+        types_ = item_types if length is not None else item_types * len(items)
+        values = []
+        for item, item_type in zip(items, types_, strict=True):
+            try:
+                values.append(_scalar_parser(item_type)(item))
+            except argparse.ArgumentTypeError as err:
+                raise argparse.ArgumentTypeError(
+                    f"expected comma-separated {item_type.__name__} values; {err}"
+                ) from None
+        return origin(values)
+
+    return parse
+
+
+def _metavar(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return "|".join(_metavar(a) if a is not type(None) else "none" for a in args)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        return ",".join(_metavar(a) for a in args)
+    if origin in (tuple, list):
+        item = args[0] if args else str
+        return f"{getattr(item, '__name__', 'X').upper()},..."
+    return getattr(tp, "__name__", "VALUE").upper()
+
+
+# ----------------------------------------------------------------------------------------------
+# Run folder
+
+
+def to_jsonable(obj: Any) -> Any:
+    """``obj`` with dataclasses, tuples, paths, NumPy/JAX arrays and scalars made JSON-friendly."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (np.ndarray, np.generic, jax.Array)):
+        return to_jsonable(np.asarray(obj).tolist())
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    raise TypeError(f"cannot write {type(obj).__name__} as JSON: {obj!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """One experiment's output folder; create it with :func:`open_run`.
+
+    Attributes:
+      root: the folder.
+    """
+
+    root: Path
+
+    def path(self, name: str) -> Path:
+        """``root / name``, creating the parent folders (``name`` may hold subfolders)."""
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def log_metrics(self, metrics: Mapping[str, Any]) -> None:
+        """Append ``metrics`` as one JSON line to ``metrics.jsonl`` (flushed before returning)."""
+        with self.path("metrics.jsonl").open("a") as f:
+            f.write(json.dumps(to_jsonable(metrics)) + "\n")
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        """Write ``obj`` (see :func:`to_jsonable`) as indented JSON to ``root / name``."""
+        path = self.path(name)
+        path.write_text(json.dumps(to_jsonable(obj), indent=2) + "\n")
+        return path
+
+    def write_csv(self, name: str, rows: Sequence[Mapping[str, Any]]) -> Path:
+        """Write ``rows`` as CSV; the columns are the union of the rows' keys, in first-seen order."""
+        columns = _columns(rows)
+        path = self.path(name)
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            for row in rows:
+                writer.writerow(to_jsonable(dict(row)))
+        return path
+
+
+def open_run(out_dir: str | Path, config: Any, *, resume: bool = False) -> RunDir:
+    """Create ``out_dir`` and record the run in ``config.json``.
+
+    ``config.json`` holds ``config`` (``dataclasses.asdict``), its ``seed`` field (if any) at the
+    top level, the JAX version and backend, a UTC timestamp and the command line, so that a
+    result can be traced back to how it was made.
+
+    Args:
+      out_dir: the output folder (created with its parents).
+      config: a dataclass instance.
+      resume: keep an existing ``metrics.jsonl`` and append to it; by default a new run starts
+        with an empty one, so metrics of an earlier run in the same folder are not mixed in.
+
+    Returns:
+      The :class:`RunDir`.
+    """
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    run = RunDir(root)
+    if not resume:
+        run.path("metrics.jsonl").unlink(missing_ok=True)
+    run.write_json(
+        "config.json",
+        {
+            "config": config,
+            "seed": getattr(config, "seed", None),
+            "jax_version": jax.__version__,
+            "backend": jax.default_backend(),
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([sys.executable, *sys.argv]),
+        },
+    )
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing
+
+
+def print_table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[str] | None = None,
+    floatfmt: str = ".4g",
+    *,
+    file: Any = None,
+) -> str:
+    """Print ``rows`` as a fixed-width Markdown table and return it.
+
+    Numbers are right-aligned, floats formatted with ``floatfmt``, missing cells left empty.
+
+    Args:
+      rows: one mapping per row.
+      columns: the columns to show, in order; default: every key, in first-seen order.
+      floatfmt: format spec for floats (``format(value, floatfmt)``).
+      file: where to print (default ``sys.stdout``).
+
+    Returns:
+      The table, without a trailing newline.
+
+    Example:
+      >>> _ = print_table([{"layer": "dense", "zeros": 61}, {"layer": "moe", "zeros": 0.5}])
+      | layer | zeros |
+      |:------|------:|
+      | dense |    61 |
+      | moe   |   0.5 |
+    """
+    columns = list(columns) if columns is not None else _columns(rows)
+    cells = [[_format_cell(row.get(c, ""), floatfmt) for c in columns] for row in rows]
+    numeric = [
+        all(isinstance(row.get(c), (int, float, np.number)) for row in rows if c in row)
+        and any(c in row for row in rows)
+        for c in columns
+    ]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+
+    def line(values: Sequence[str]) -> str:
+        padded = [
+            v.rjust(w) if right else v.ljust(w)
+            for v, w, right in zip(values, widths, numeric, strict=True)
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(
+        ":" + "-" * (w + 1) if not right else "-" * (w + 1) + ":"
+        for w, right in zip(widths, numeric, strict=True)
+    )
+    table = "\n".join([line(columns), rule + "|", *(line(r) for r in cells)])
+    print(table, file=file or sys.stdout)
+    return table
+
+
+def _format_cell(value: Any, floatfmt: str) -> str:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (float, np.floating)):
+        return "nan" if math.isnan(value) else format(float(value), floatfmt)
+    return str(value)
+
+
+def _columns(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The union of the rows' keys, in first-seen order."""
+    return list(dict.fromkeys(key for row in rows for key in row))
+
+
+def progress(iterable: Iterable[T], total: int | None = None, desc: str | None = None) -> tqdm:
+    """Iterate ``iterable`` under a tqdm progress bar (stderr), cleared when the loop ends.
+
+    One place for the experiments' progress-bar settings; the result is the ``tqdm`` object, so
+    ``bar.set_postfix(loss=...)`` works.
+    """
+    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)

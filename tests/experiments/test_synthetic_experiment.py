@@ -1,0 +1,69 @@
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "experiments" / "synthetic.py"
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    out = [tmp_path_factory.mktemp(f"synthetic{i}") for i in range(2)]
+    results = [_run("--preset", "smoke", "--out_dir", str(o)) for o in out]
+    for result in results:
+        assert result.returncode == 0, result.stderr
+    return out, results
+
+
+def test_smoke_preset_writes_results_table_and_plot(smoke_runs):
+    (out, _), (result, _) = smoke_runs[0], smoke_runs[1]
+    for name in (
+        "results.json",
+        "results.csv",
+        "metrics.jsonl",
+        "config.json",
+        "synthetic_alpha0.01.png",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert {(r["head"], r["d"]) for r in runs} == {
+        (h, d) for h in ("softmax", "plif", "mos") for d in (2, 4)
+    }
+    for r in runs:
+        assert 0 <= r["mode_matching"] <= 100 and r["kl"] >= 0
+        if r["head"] == "softmax":  # rank <= d + 2 with the output bias (Theorem 2)
+            assert r["numerical_rank"] <= r["d"] + 2
+    config = json.loads((out / "config.json").read_text())
+    assert config["config"]["steps"] == 40 and config["seed"] is None
+    assert "| alpha |" in result.stdout and "mode_matching" in result.stdout
+
+
+def test_same_seed_same_results(smoke_runs):
+    outs, _ = smoke_runs
+    first, second = (json.loads((o / "results.json").read_text())["runs"] for o in outs)
+    strip = lambda runs: [{k: v for k, v in r.items() if k != "seconds"} for r in runs]  # noqa: E731
+    assert strip(first) == strip(second)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--heads", "softmax,nope"], "unknown head(s) ['nope']"),
+        (["--dims", "0,4"], "every d in dims must be >= 1"),
+        (["--alphas", "-0.1"], "every alpha must be > 0"),
+        (["--preset", "huge"], "invalid choice: 'huge'"),
+    ],
+)
+def test_bad_cli_values_exit_with_message(args, message, tmp_path):
+    result = _run(*args, "--out_dir", str(tmp_path))
+    assert result.returncode == 2
+    assert message in result.stderr

@@ -1,0 +1,191 @@
+"""parse_config, open_run / RunDir, print_table, progress."""
+
+import csv
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bottleneck.train import RunDir, open_run, parse_config, print_table, progress
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A config with one field of every supported kind."""
+
+    width: int = 8
+    lr: float = 0.1
+    name: str = "run"
+    plot: bool = True
+    experts: tuple[int, ...] = (2, 4)
+    scales: tuple[float, ...] = (1.0,)
+    tags: list[str] = dataclasses.field(default_factory=lambda: ["a"])
+    pair: tuple[int, float] = (1, 2.0)
+    limit: int | None = None
+    seed: int = 0
+    out_dir: str = "runs/test"
+
+    def validate(self) -> None:
+        if self.width < 1:
+            raise ValueError(f"width must be >= 1, got {self.width}")
+        if any(k < 1 for k in self.experts):
+            raise ValueError(f"experts must all be >= 1, got {self.experts}")
+
+
+PRESETS = {
+    "smoke": {"width": 2, "experts": (1,)},
+    "big": Config(width=64, lr=0.5),
+}
+
+
+def test_defaults_without_flags():
+    assert parse_config(Config, PRESETS, []) == Config()
+
+
+def test_preset_then_flags_override():
+    config = parse_config(Config, PRESETS, ["--preset", "smoke", "--lr", "0.25"])
+    assert config == Config(width=2, experts=(1,), lr=0.25)
+    config = parse_config(Config, PRESETS, ["--preset", "big", "--width", "3"])
+    assert config == Config(width=3, lr=0.5)
+
+
+def test_every_field_type_parses():
+    config = parse_config(
+        Config,
+        PRESETS,
+        [
+            "--width=5",
+            "--lr",
+            "1e-3",
+            "--name",
+            "a b",
+            "--no-plot",
+            "--experts",
+            "2, 4,8",
+            "--scales",
+            "0.5,2",
+            "--tags",
+            "x,y",
+            "--pair",
+            "(3, 4.5)",
+            "--limit",
+            "7",
+            "--out_dir",
+            "/tmp/somewhere",
+        ],
+    )
+    assert config == Config(
+        width=5,
+        lr=1e-3,
+        name="a b",
+        plot=False,
+        experts=(2, 4, 8),
+        scales=(0.5, 2.0),
+        tags=["x", "y"],
+        pair=(3, 4.5),
+        limit=7,
+        out_dir="/tmp/somewhere",
+    )
+    assert isinstance(config.experts, tuple) and isinstance(config.tags, list)
+    assert parse_config(Config, PRESETS, ["--limit", "none"]).limit is None
+    assert parse_config(Config, PRESETS, ["--experts", ""]).experts == ()
+    assert parse_config(Config, PRESETS, ["--preset", "big", "--plot"]).plot is True
+
+
+def test_default_preset_can_be_redefined():
+    config = parse_config(Config, {"default": {"width": 4}}, [])
+    assert config.width == 4
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "nope"], "invalid choice: 'nope'"),
+        (["--width", "abc"], "argument --width: expected int, got 'abc'"),
+        (["--experts", "2,x"], "argument --experts: expected comma-separated int values"),
+        (["--pair", "1,2,3"], "expected 2 comma-separated values"),
+        (["--unknown", "1"], "unrecognized arguments: --unknown"),
+        (["--width", "0"], "width must be >= 1, got 0"),
+        (["--experts", "2,0"], "experts must all be >= 1, got (2, 0)"),
+    ],
+)
+def test_bad_values_exit_2_with_a_clear_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(Config, PRESETS, argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("usage:")
+
+
+def test_unsupported_field_type_is_a_programming_error():
+    @dataclasses.dataclass
+    class Odd:
+        mapping: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    with pytest.raises(TypeError, match="mapping"):
+        parse_config(Odd, {}, [])
+
+
+def test_open_run_writes_config(tmp_path):
+    config = Config(width=3, seed=7)
+    run = open_run(tmp_path / "a" / "b", config)
+    assert isinstance(run, RunDir) and run.root.is_dir()
+    record = json.loads((run.root / "config.json").read_text())
+    assert record["config"]["width"] == 3
+    assert record["config"]["experts"] == [2, 4]
+    assert record["seed"] == 7
+    assert record["jax_version"] == jax.__version__
+    assert record["timestamp"] and record["command"]
+
+
+def test_log_metrics_appends_json_lines(tmp_path):
+    run = open_run(tmp_path, Config())
+    run.log_metrics({"step": 0, "loss": jnp.float32(1.5)})
+    # Readable immediately: each call flushes.
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    run.log_metrics({"step": 1, "loss": np.float64(0.5), "sv": jnp.arange(3.0)})
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 0, "loss": 1.5}, {"step": 1, "loss": 0.5, "sv": [0.0, 1.0, 2.0]}]
+    # A new run in the same folder starts a new metrics file; resume keeps it.
+    open_run(tmp_path, Config(), resume=True)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    open_run(tmp_path, Config())
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_write_json_csv_and_path(tmp_path):
+    run = open_run(tmp_path, Config())
+    path = run.write_json("sub/results.json", {"values": np.arange(2), "config": Config()})
+    assert path == tmp_path / "sub" / "results.json"
+    assert json.loads(path.read_text())["values"] == [0, 1]
+    rows = [{"layer": "dense", "k": 1}, {"layer": "moe", "k": 2, "extra": 0.5}]
+    with run.write_csv("results.csv", rows).open() as f:
+        read = list(csv.DictReader(f))
+    assert read == [
+        {"layer": "dense", "k": "1", "extra": ""},
+        {"layer": "moe", "k": "2", "extra": "0.5"},
+    ]
+    assert run.path("plots/a.png") == tmp_path / "plots" / "a.png"
+    assert (tmp_path / "plots").is_dir()
+
+
+def test_print_table(capsys):
+    rows = [{"layer": "dense", "count": 61, "value": 0.123456}, {"layer": "moe K=16", "count": 0}]
+    table = print_table(rows, floatfmt=".3f")
+    assert capsys.readouterr().out == table + "\n"
+    lines = table.splitlines()
+    assert lines[0] == "| layer    | count | value |"
+    assert lines[1] == "|:---------|------:|------:|"
+    assert lines[2] == "| dense    |    61 | 0.123 |"
+    assert lines[3] == "| moe K=16 |     0 |       |"
+    assert len({len(line) for line in lines}) == 1
+    only = print_table(rows, columns=["count"])
+    assert only.splitlines()[0] == "| count |"
+
+
+def test_progress_yields_everything():
+    assert list(progress(range(5), desc="test")) == [0, 1, 2, 3, 4]
