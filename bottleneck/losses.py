@@ -61,22 +61,46 @@ def cross_entropy(
     return -total / count
 
 
-def target_log_probs(log_scores: jax.Array, labels: jax.Array) -> jax.Array:
+def target_log_probs(
+    log_scores: jax.Array,
+    labels: jax.Array,
+    *,
+    vocab_axis: str | None = None,
+    vocab_offset: jax.Array | int = 0,
+) -> jax.Array:
     r"""Log-probability of each label under ``log_normalize(log_scores)``, without building it.
 
     .. math:: \log p(y) = s_y - \operatorname{logsumexp}_m s_m
 
+    Inside ``shard_map`` with the vocabulary split over mesh axis ``vocab_axis``, each shard
+    holds columns ``[vocab_offset, vocab_offset + M_local)``; the row maximum is combined with
+    ``pmax``, the sum of exponentials and the label's score with ``psum`` (Megatron's
+    vocab-parallel cross-entropy), so every shard returns the same global result.
+
     Args:
-      log_scores: ``[..., vocab]`` unnormalised log scores ``log g(z)``.
-      labels: ``[...]`` integer targets.
+      log_scores: ``[..., vocab]`` (or this shard's ``[..., M_local]``) log scores ``log g(z)``.
+      labels: ``[...]`` integer targets (global indices).
+      vocab_axis: mesh axis the vocabulary is split over, or ``None``.
+      vocab_offset: global index of this shard's first column.
 
     Returns:
       ``[...]`` log-probabilities of the labels, dtype at least float32.
     """
     scores = as_compute(log_scores)
-    picked = jnp.take_along_axis(scores, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    local_size = scores.shape[-1]
+    local_labels = labels.astype(jnp.int32) - vocab_offset
+    in_shard = (local_labels >= 0) & (local_labels < local_size)
+    index = jnp.clip(local_labels, 0, local_size - 1)[..., None]
+    picked = jnp.take_along_axis(scores, index, axis=-1)[..., 0]
+    picked = jnp.where(in_shard, picked, jnp.zeros((), scores.dtype))
     row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1))
-    return picked - row_max - jnp.log(jnp.sum(jnp.exp(scores - row_max[..., None]), axis=-1))
+    if vocab_axis is not None:
+        row_max = jax.lax.pmax(row_max, vocab_axis)
+    sum_exp = jnp.sum(jnp.exp(scores - row_max[..., None]), axis=-1)
+    if vocab_axis is not None:
+        sum_exp = jax.lax.psum(sum_exp, vocab_axis)
+        picked = jax.lax.psum(picked, vocab_axis)
+    return picked - row_max - jnp.log(sum_exp)
 
 
 # Live float32 [tokens, elements_per_token] buffers that the value-and-gradient of one chunk
@@ -86,12 +110,18 @@ _LIVE_BUFFERS_PER_ELEMENT = 4
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
 
 
-def chunk_size_for_budget(num_tokens: int, elements_per_token: int, memory_budget: int) -> int:
-    """Tokens per chunk so that one chunk's float32 work stays within ``memory_budget`` bytes."""
+def chunk_size_for_budget(
+    num_tokens: int, elements_per_token: int, memory_budget: int, multiple: int = 1
+) -> int:
+    """Tokens per chunk so that one chunk's float32 work stays within ``memory_budget`` bytes.
+
+    Rounded up to a multiple of ``multiple`` (the data-parallel shards, which split each chunk).
+    """
     if memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
     bytes_per_token = 4 * _LIVE_BUFFERS_PER_ELEMENT * max(elements_per_token, 1)
-    return int(min(max(memory_budget // bytes_per_token, 1), max(num_tokens, 1)))
+    chunk = min(max(memory_budget // bytes_per_token, 1), max(num_tokens, 1))
+    return int(-(-chunk // multiple) * multiple)
 
 
 def chunked_cross_entropy(
@@ -103,6 +133,7 @@ def chunked_cross_entropy(
     *,
     elements_per_token: int,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    token_multiple: int = 1,
 ) -> jax.Array:
     r"""Mean NLL of an output head, computed in token chunks so peak memory stays bounded.
 
@@ -130,6 +161,9 @@ def chunked_cross_entropy(
       where: optional ``[...]`` boolean mask of the positions that count.
       elements_per_token: size of the per-token intermediate (``M``, ``K * M`` for a mixture).
       memory_budget: bytes one chunk may use.
+      token_multiple: chunk sizes are multiples of this (the data-parallel shards). Chunks
+        take every ``num_chunks``-th token, so a token axis sharded in contiguous blocks gives
+        each shard an equal part of every chunk without moving data.
 
     Returns:
       Scalar mean NLL (float32), equal to ``cross_entropy(log_probs, labels, where)``.
@@ -156,7 +190,7 @@ def chunked_cross_entropy(
     else:
         mask = jnp.asarray(where, bool).reshape(num_tokens)
         weights = mask.astype(jnp.float32) / jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
-    chunk = chunk_size_for_budget(num_tokens, elements_per_token, memory_budget)
+    chunk = chunk_size_for_budget(num_tokens, elements_per_token, memory_budget, token_multiple)
     padding = -num_tokens % chunk
     if padding:  # padded tokens carry zero weight, so they change neither loss nor gradients
         hidden_flat = jnp.pad(hidden_flat, ((0, padding), (0, 0)))
@@ -167,7 +201,13 @@ def chunked_cross_entropy(
 
 
 def _chunks(x: jax.Array, chunk: int) -> jax.Array:
-    return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
+    """``[num_chunks * chunk, ...] -> [num_chunks, chunk, ...]``, chunk ``i`` = tokens ``i::num_chunks``."""
+    return jnp.swapaxes(x.reshape(chunk, x.shape[0] // chunk, *x.shape[1:]), 0, 1)
+
+
+def _unchunk(x: jax.Array) -> jax.Array:
+    """Inverse of :func:`_chunks`."""
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -204,7 +244,7 @@ def _fused_weighted_nll_fwd(token_log_probs, chunk, params, hidden, labels, weig
         (loss, grad_params), grad_hidden = jax.lax.scan(
             step, (jnp.zeros((), jnp.float32), zeros), xs
         )
-        grad_hidden = grad_hidden.reshape(hidden.shape)
+        grad_hidden = _unchunk(grad_hidden)
         grad_params = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grad_params, params)
     return loss, (grad_params, grad_hidden)
 

@@ -133,7 +133,25 @@ def plif(x: jax.Array, raw_slopes: jax.Array, bound: float = 20.0) -> jax.Array:
     _check_plif_args(x, raw_slopes, bound)
     x = jnp.asarray(x)
     dtype = compute_dtype(x, raw_slopes)
+    raw_slopes = _vary_like(raw_slopes, x)
     return _plif(x.astype(dtype), raw_slopes.astype(dtype), float(bound))
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """Mesh axes over which ``x`` differs between shards inside ``shard_map`` (empty outside)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
+def _vary_like(params: jax.Array, x: jax.Array) -> jax.Array:
+    """Marks replicated ``params`` as varying over the shard_map axes that ``x`` varies over.
+
+    Inside ``shard_map`` (vocabulary-parallel heads) the custom VJP's slope gradient varies
+    over the shards; the cast makes the primal input match it, and its transpose sums the
+    per-shard slope gradients, which is exactly the gradient of the replicated slopes.
+    """
+    axes = tuple(sorted(_varying_axes(x) - _varying_axes(params)))
+    return jax.lax.pcast(params, axes, to="varying") if axes else params
 
 
 def plif_init(key: jax.Array, num_knots: int, noise: float = 0.0) -> jax.Array:

@@ -30,6 +30,7 @@ from flax import nnx
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy, synthetic_metrics
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.models import ContextEmbeddingModel
+from bottleneck.sharding import make_mesh, parse_mesh_spec, shard_batch, shard_model
 from bottleneck.train import Trainer, make_optimizer, open_run, parse_config, print_table, progress
 
 matplotlib.use("Agg")
@@ -61,6 +62,7 @@ class Config:
     plif_noise: float = 0.0
     num_hidden: int = 8
     log_every: int = 100
+    mesh: str = ""  # e.g. "data=4,vocab=2"; empty: one device
     out_dir: str = "runs/synthetic"
 
     def validate(self) -> None:
@@ -88,6 +90,8 @@ class Config:
             raise ValueError(f"num_outcomes must be >= 2, got {self.num_outcomes}")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.mesh:
+            parse_mesh_spec(self.mesh, jax.device_count())
 
 
 PRESETS = {
@@ -126,14 +130,18 @@ def head_options(config: Config, head: str) -> dict:
 
 def train_one(config: Config, run, head: str, dim: int, alpha: float, seed: int, targets) -> dict:
     """Trains one model full-batch and returns its row of results."""
+    mesh = make_mesh(config.mesh) if config.mesh else None
     model = ContextEmbeddingModel(
         config.num_contexts,
         dim,
         config.num_outcomes,
         head,
         rngs=nnx.Rngs(seed),
+        mesh=mesh,
         **head_options(config, head),
     )
+    if mesh is not None:  # contexts split on "data", the head's vocabulary on "vocab"
+        model, targets = shard_model(model, mesh), shard_batch(targets, mesh)
     trainer = Trainer(
         model,
         make_optimizer(config.learning_rate),

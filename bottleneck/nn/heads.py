@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bottleneck.losses import DEFAULT_MEMORY_BUDGET, chunked_cross_entropy, target_log_probs
 from bottleneck.mixtures import mixture_log_probs
@@ -32,6 +34,7 @@ from bottleneck.normalizers import (
     sigsoftmax_log_scores,
     softmax_log_scores,
 )
+from bottleneck.sharding import DATA, VOCAB, axis_size, padded_vocab_size
 
 
 def uniform_init(scale: float) -> Callable[..., jax.Array]:
@@ -55,6 +58,10 @@ class OutputHead(nnx.Module):
       use_bias: learn an output bias ``b`` ``[M]`` (zeros at init).
       memory_budget: bytes one chunk of :meth:`loss` may use.
       param_dtype: dtype of the parameters; logits and reductions are float32 regardless.
+      mesh: a ``("data", "vocab")`` mesh (:func:`bottleneck.sharding.make_mesh`) to run
+        :meth:`loss` data- and vocabulary-parallel: the decoder and bias are sharded on
+        ``vocab`` (stored with :func:`~bottleneck.sharding.padded_vocab_size` rows, the extra
+        ones masked out), tokens on ``data``. ``None``: one device.
     """
 
     def __init__(
@@ -67,6 +74,7 @@ class OutputHead(nnx.Module):
         use_bias: bool = True,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         param_dtype: Any = jnp.float32,
+        mesh: Mesh | None = None,
     ):
         if in_features < 1 or vocab_size < 1:
             raise ValueError(
@@ -75,9 +83,13 @@ class OutputHead(nnx.Module):
         self.in_features = in_features
         self.vocab_size = vocab_size
         self.memory_budget = memory_budget
+        self.mesh = mesh
+        rows = padded_vocab_size(vocab_size, mesh)
+        sharded_rows = {"out_sharding": (VOCAB, None), "mesh": mesh} if self.vocab_parallel else {}
         if tied_embedding is None:
             self.decoder = nnx.Param(
-                uniform_init(0.1)(rngs.params(), (vocab_size, self.decoder_features), param_dtype)
+                uniform_init(0.1)(rngs.params(), (rows, self.decoder_features), param_dtype),
+                **sharded_rows,
             )
         else:
             table = (
@@ -85,13 +97,22 @@ class OutputHead(nnx.Module):
                 if isinstance(tied_embedding, nnx.Embed)
                 else tied_embedding
             )
-            if table.shape != (vocab_size, self.decoder_features):
+            if table.shape != (rows, self.decoder_features):
                 raise ValueError(
-                    f"tied_embedding must have shape [vocab_size, {self.decoder_features}] = "
-                    f"{(vocab_size, self.decoder_features)}, got {table.shape}"
+                    f"tied_embedding must have shape [padded_vocab_size, {self.decoder_features}] "
+                    f"= {(rows, self.decoder_features)}, got {table.shape}"
                 )
+            if self.vocab_parallel:  # the shared table lives vocab-sharded, like the decoder
+                table.set_metadata(**sharded_rows)
+                table.set_value(jax.device_put(table.get_value(), NamedSharding(mesh, P(VOCAB))))
             self.decoder = table
-        self.bias = nnx.Param(jnp.zeros((vocab_size,), param_dtype)) if use_bias else None
+        sharded_bias = {"out_sharding": (VOCAB,), "mesh": mesh} if self.vocab_parallel else {}
+        self.bias = nnx.Param(jnp.zeros((rows,), param_dtype), **sharded_bias) if use_bias else None
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether the decoder is split over the mesh's ``vocab`` axis."""
+        return axis_size(self.mesh, VOCAB) > 1
 
     @property
     def decoder_features(self) -> int:
@@ -126,21 +147,67 @@ class OutputHead(nnx.Module):
         if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != self.in_features:
             raise ValueError(f"h must have shape [..., {self.in_features}], got {jnp.shape(h)}")
 
+    def _scores(self, inputs: jax.Array, first_column: jax.Array | int = 0) -> jax.Array:
+        """``log_scores(W x + b)`` for this shard's columns, padding columns at ``-inf``."""
+        scores = self.log_scores(self.logits(inputs))
+        if padded_vocab_size(self.vocab_size, self.mesh) == self.vocab_size:
+            return scores
+        columns = first_column + jnp.arange(scores.shape[-1])
+        return jnp.where(columns < self.vocab_size, scores, -jnp.inf)
+
     def __call__(self, h: jax.Array) -> jax.Array:
         """Full log-probabilities ``[..., M]`` for hidden states ``h [..., d]``."""
         self._check_hidden(h)
         inputs, log_prior = self.components(h)
-        component_log_probs = log_normalize(self.log_scores(self.logits(inputs)))
+        component_log_probs = log_normalize(self._scores(inputs))[..., : self.vocab_size]
         if log_prior is None:
             return component_log_probs[..., 0, :]
         return mixture_log_probs(component_log_probs, log_prior)
 
     def label_log_probs(self, h: jax.Array, labels: jax.Array) -> jax.Array:
-        """``log p(labels | h)``, ``[...]``, without normalizing the whole vocabulary twice."""
+        """``log p(labels | h)`` ``[...]`` for ``h [..., d]``, without normalizing into ``[..., M]``.
+
+        With a mesh it runs under ``shard_map``: tokens split on ``data``, decoder columns on
+        ``vocab``, and :func:`~bottleneck.losses.target_log_probs` combines the shards.
+        """
+        if self.mesh is None:
+            return self._shard_label_log_probs(h, labels, vocab_axis=None)
+        graphdef, state = nnx.split(self)
+
+        def local(state: nnx.State, h: jax.Array, labels: jax.Array) -> jax.Array:
+            head = nnx.merge(graphdef, state)
+            return head._shard_label_log_probs(h, labels, VOCAB if head.vocab_parallel else None)
+
+        # Only this head's own decoder and bias are split by vocabulary; all else is replicated.
+        def spec(path: tuple[Any, ...], leaf: jax.Array) -> P:
+            owner = getattr(path[0], "key", None)
+            if self.vocab_parallel and owner in ("decoder", "bias"):
+                return P(VOCAB, *([None] * (leaf.ndim - 1)))
+            return P()
+
+        state_specs = jax.tree_util.tree_map_with_path(spec, state)
+        token_spec = P(DATA, *([None] * (labels.ndim - 1)))
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(state_specs, P(*token_spec, None), token_spec),
+            out_specs=token_spec,
+        )(state, h, labels)
+
+    def _shard_label_log_probs(
+        self, h: jax.Array, labels: jax.Array, vocab_axis: str | None
+    ) -> jax.Array:
+        """``log p(labels | h)`` from this shard's decoder columns, split over ``vocab_axis``."""
         inputs, log_prior = self.components(h)
-        scores = self.log_scores(self.logits(inputs))
+        first_column = 0
+        if vocab_axis is not None:
+            first_column = jax.lax.axis_index(vocab_axis) * self.decoder.shape[0]
+        scores = self._scores(inputs, first_column)
         per_component = target_log_probs(
-            scores, jnp.broadcast_to(labels[..., None], scores.shape[:-1])
+            scores,
+            jnp.broadcast_to(labels[..., None], scores.shape[:-1]),
+            vocab_axis=vocab_axis,
+            vocab_offset=first_column,
         )
         if log_prior is None:
             return per_component[..., 0]
@@ -175,6 +242,7 @@ class OutputHead(nnx.Module):
             where,
             elements_per_token=self.elements_per_token,
             memory_budget=self.memory_budget,
+            token_multiple=axis_size(self.mesh, DATA),
         )
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from bottleneck.nn.heads import OutputHead, make_head
+from bottleneck.sharding import DATA, axis_size
 
 
 class ContextEmbeddingModel(nnx.Module):
@@ -22,6 +24,9 @@ class ContextEmbeddingModel(nnx.Module):
       num_outcomes: ``M``.
       head: a name from :data:`bottleneck.nn.HEAD_NAMES`.
       rngs: NNX random streams.
+      mesh: optional ``("data", "vocab")`` mesh: contexts sharded on ``data``, the head
+        vocabulary-parallel on ``vocab``; place the model with
+        :func:`bottleneck.sharding.shard_model`.
       head_options: passed to :func:`bottleneck.nn.make_head`.
     """
 
@@ -33,16 +38,20 @@ class ContextEmbeddingModel(nnx.Module):
         head: str,
         *,
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
         **head_options,
     ):
         if num_contexts < 1 or features < 1:
             raise ValueError(
                 f"num_contexts and features must be >= 1, got {num_contexts} and {features}"
             )
+        sharded = {"out_sharding": (DATA, None), "mesh": mesh} if axis_size(mesh, DATA) > 1 else {}
         self.contexts = nnx.Param(
-            jax.random.normal(rngs.params(), (num_contexts, features), jnp.float32)
+            jax.random.normal(rngs.params(), (num_contexts, features), jnp.float32), **sharded
         )
-        self.head: OutputHead = make_head(head, features, num_outcomes, rngs=rngs, **head_options)
+        self.head: OutputHead = make_head(
+            head, features, num_outcomes, rngs=rngs, mesh=mesh, **head_options
+        )
 
     def __call__(self) -> jax.Array:
         """Log-probabilities ``[N, M]`` of every outcome in every context."""

@@ -103,7 +103,9 @@ def test_tied_embedding_shares_and_trains_one_table(name):
 
 
 def test_tied_embedding_shape_is_checked():
-    with pytest.raises(ValueError, match=r"tied_embedding must have shape \[vocab_size, 16\]"):
+    with pytest.raises(
+        ValueError, match=r"tied_embedding must have shape \[padded_vocab_size, 16\] = \(64, 16\)"
+    ):
         nn.SoftmaxHead(D, M, rngs=nnx.Rngs(0), tied_embedding=nnx.Embed(M, D + 1, rngs=nnx.Rngs(0)))
 
 

@@ -1,0 +1,134 @@
+"""Multi-device equivalence checks, run by tests/test_sharding.py in a subprocess.
+
+The subprocess sets ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before JAX starts, so
+these run on 8 fake CPU devices; each case returns the largest deviation from one device.
+Run directly: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_cases.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bottleneck import nn
+from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy
+from bottleneck.nn.models import ContextEmbeddingModel
+from bottleneck.sharding import make_mesh, shard_batch, shard_model
+from bottleneck.train import Trainer, make_optimizer
+
+MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
+DIM, VOCAB_SIZE, TOKENS = 8, 37, 40  # 37 is split unevenly: padded decoder rows are exercised
+OPTIONS = {
+    "plif": {"num_knots": 64, "plif_noise": 1.0},
+    "monotone_mlp": {"num_hidden": 3},
+    "mos": {"num_components": 3},
+    "moss": {"num_components": 3},
+    "mos_plif": {"num_components": 3, "num_knots": 64, "plif_noise": 1.0},
+}
+
+
+def _max_deviation(a, b) -> float:
+    return max(
+        float(jnp.max(jnp.abs(x - y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _loss_and_grads(head, h, labels, where):
+    graphdef, state = nnx.split(head)
+
+    def loss(state, h):
+        return nnx.merge(graphdef, state).loss(h, labels, where)
+
+    value, (grad_state, grad_h) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, h)
+    grads = {k: v for k, v in nnx.to_pure_dict(grad_state).items()}
+    return value, grads, grad_h
+
+
+def head_case(name: str, mesh_spec: str, memory_budget: int) -> float:
+    """Loss and gradients of a vocab/data-parallel head equal the single-device ones."""
+    mesh = make_mesh(mesh_spec)
+    single = nn.make_head(
+        name,
+        DIM,
+        VOCAB_SIZE,
+        rngs=nnx.Rngs(0),
+        memory_budget=memory_budget,
+        **OPTIONS.get(name, {}),
+    )
+    sharded = nn.make_head(
+        name,
+        DIM,
+        VOCAB_SIZE,
+        rngs=nnx.Rngs(0),
+        memory_budget=memory_budget,
+        mesh=mesh,
+        **OPTIONS.get(name, {}),
+    )
+    rows = sharded.decoder.shape[0]
+    # Same parameters: the sharded head's extra (padding) rows are zero.
+    params = nnx.to_pure_dict(nnx.state(single))
+    for key in ("decoder", "bias"):
+        params[key] = jnp.pad(
+            params[key], [(0, rows - VOCAB_SIZE)] + [(0, 0)] * (params[key].ndim - 1)
+        )
+    nnx.update(sharded, params)
+    shard_model(sharded, mesh)
+
+    keys = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(keys[0], (TOKENS, DIM))
+    labels = jax.random.randint(keys[1], (TOKENS,), 0, VOCAB_SIZE)
+    where = jax.random.bernoulli(keys[2], 0.8, (TOKENS,))
+    want_loss, want_grads, want_h = _loss_and_grads(single, h, labels, where)
+    got_loss, got_grads, got_h = _loss_and_grads(
+        sharded, shard_batch(h, mesh), shard_batch(labels, mesh), shard_batch(where, mesh)
+    )
+    for key in ("decoder", "bias"):
+        assert not np.any(np.asarray(got_grads[key][VOCAB_SIZE:])), "padding rows got a gradient"
+        got_grads[key] = got_grads[key][:VOCAB_SIZE]
+    return max(
+        abs(float(got_loss - want_loss)),
+        _max_deviation(got_grads, want_grads),
+        _max_deviation(got_h, want_h),
+    )
+
+
+def synthetic_case(mesh_spec: str) -> float:
+    """A few full-batch steps of the synthetic experiment's model match one device.
+
+    SGD rather than Adam: Adam divides by the gradient's magnitude, so for near-zero gradients
+    it turns reduction-order round-off (~1e-7) into O(lr) differences in the parameters.
+    """
+    targets = dirichlet_targets(jax.random.key(0), 32, 48, 0.1)
+
+    def train(mesh):
+        model = ContextEmbeddingModel(32, 4, 48, "plif", rngs=nnx.Rngs(0), mesh=mesh, num_knots=64)
+        batch = targets
+        if mesh is not None:
+            model, batch = shard_model(model, mesh), shard_batch(targets, mesh)
+        trainer = Trainer(
+            model, make_optimizer(0.5, optimizer="sgd"), lambda m, t: expected_cross_entropy(t, m())
+        )
+        return trainer.run(batch, 5)
+
+    return _max_deviation(train(make_mesh(mesh_spec)), train(None))
+
+
+def main() -> None:
+    assert jax.device_count() == 8, f"run with 8 fake devices, got {jax.device_count()}"
+    results = {}
+    for mesh_spec in MESHES:
+        for name in nn.HEAD_NAMES:
+            results[f"head:{name}:{mesh_spec}"] = head_case(name, mesh_spec, 2**30)
+        results[f"head:mos_plif:{mesh_spec}:chunked"] = head_case("mos_plif", mesh_spec, 2_000)
+        results[f"synthetic:{mesh_spec}"] = synthetic_case(mesh_spec)
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Sharded heads and training on 8 fake CPU devices, and two processes with jax.distributed.
+
+JAX fixes its device count when it starts, so the multi-device checks run in subprocesses with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (tests/sharding_cases.py and
+tests/multihost_worker.py); this module only reads their results.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from bottleneck import nn
+from bottleneck.sharding import padded_vocab_size, parse_mesh_spec
+
+TESTS = pathlib.Path(__file__).resolve().parent
+TOLERANCE = 1e-5
+
+
+def _env(devices):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def sharding_results():
+    result = subprocess.run(
+        [sys.executable, str(TESTS / "sharding_cases.py")],
+        capture_output=True,
+        text=True,
+        env=_env(8),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
+CASES = [f"head:{name}:{mesh}" for mesh in MESHES for name in nn.HEAD_NAMES]
+CASES += [f"head:mos_plif:{mesh}:chunked" for mesh in MESHES]
+CASES += [f"synthetic:{mesh}" for mesh in MESHES]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_equals_single_device(sharding_results, case):
+    """Loss and every gradient (heads), or the training losses (synthetic), within 1e-5."""
+    assert sharding_results[case] < TOLERANCE
+
+
+def test_every_case_was_run(sharding_results):
+    assert set(sharding_results) == set(CASES)
+
+
+def test_two_processes_on_localhost_agree_with_one_device():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = str(s.getsockname()[1])
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(TESTS / "multihost_worker.py"), str(i), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(2),
+        )
+        for i in range(2)
+    ]
+    outputs = [w.communicate(timeout=300) for w in workers]
+    reports = []
+    for worker, (stdout, stderr) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, stderr[-3000:]
+        reports.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert sorted(r["process"] for r in reports) == [0, 1]
+    for report in reports:
+        assert report["processes"] == 2 and report["devices"] == 4
+        assert abs(report["sharded_loss"] - report["single_device_loss"]) < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "spec, devices, sizes",
+    [
+        (None, 8, {"data": 8, "vocab": 1}),
+        ("", 4, {"data": 4, "vocab": 1}),
+        ("data=2,vocab=4", 8, {"data": 2, "vocab": 4}),
+        ("vocab=8", 8, {"data": 1, "vocab": 8}),
+        ("vocab=2", 8, {"data": 4, "vocab": 2}),
+        ({"data": 1, "vocab": 1}, 1, {"data": 1, "vocab": 1}),
+    ],
+)
+def test_parse_mesh_spec(spec, devices, sizes):
+    assert parse_mesh_spec(spec, devices) == sizes
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("data=3", "uses 3 devices but 8 are available"),
+        ("model=8", "mesh must look like 'data=4,vocab=2'"),
+        ("data=two", "mesh must look like"),
+        ("data=0,vocab=8", "sizes >= 1"),
+    ],
+)
+def test_parse_mesh_spec_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_mesh_spec(spec, 8)
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(33_278, None) == 33_278
+    from bottleneck.sharding import make_mesh
+
+    assert padded_vocab_size(33_278, make_mesh()) == 33_278  # one device here
