@@ -9,5 +9,6 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 def test_readme_python_blocks_run():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "README has no python block"
+    namespace = {}  # one namespace, top to bottom, as a reader pastes them into a notebook
     for block in blocks:
-        exec(compile(block, str(README), "exec"), {})
+        exec(compile(block, str(README), "exec"), namespace)
