@@ -40,12 +40,13 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from _shapes import PTB, WT2, Shape
 from _timing import (
     machine_info,
     markdown_table,
@@ -60,27 +61,6 @@ from tqdm import tqdm
 import bottleneck as bn
 from bottleneck import nn
 from bottleneck.losses import DEFAULT_MEMORY_BUDGET, chunk_size_for_budget
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    batch: int
-    steps: int
-    dim: int
-    vocab: int
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.steps
-
-    @property
-    def full_logits_bytes(self) -> int:
-        return self.tokens * self.vocab * 4
-
-
-PTB = Shape("ptb", batch=20, steps=70, dim=400, vocab=10_000)
-WT2 = Shape("wt2", batch=80, steps=70, dim=400, vocab=33_278)
 
 HEAD_OPTIONS: dict[str, dict[str, Any]] = {
     "plif": {"num_knots": 100_000, "plif_noise": 1.0},

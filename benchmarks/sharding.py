@@ -43,13 +43,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _shapes import PTB, WT2
 from _timing import (
     machine_info,
     markdown_table,
@@ -66,23 +67,6 @@ from tqdm import tqdm
 from bottleneck import nn
 from bottleneck.losses import DEFAULT_MEMORY_BUDGET, chunk_size_for_budget
 from bottleneck.sharding import DATA, VOCAB, make_mesh, padded_vocab_size, shard_batch, shard_model
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    batch: int
-    steps: int
-    dim: int
-    vocab: int
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.steps
-
-
-PTB = Shape("ptb", batch=20, steps=70, dim=400, vocab=10_000)
-WT2 = Shape("wt2", batch=80, steps=70, dim=400, vocab=33_278)
 
 DEVICE_COUNTS = (1, 2, 4, 8)
 MEMORY_HEADS = {

@@ -60,6 +60,7 @@ import numpy as np
 from flax import nnx
 
 import bottleneck as bn
+from bottleneck import nn
 from bottleneck import spectrum_streaming as ss
 from bottleneck.nn import HEAD_NAMES, make_head
 from bottleneck.train import RunDir, open_run, parse_config, print_table, progress
@@ -184,14 +185,13 @@ PRESETS: dict[str, dict] = {
 
 def head_options(config: Config, head: str) -> dict:
     """The options of ``head`` that the config controls."""
-    options: dict = {}
-    if head in ("plif", "mos_plif"):
-        options |= {"num_knots": config.num_knots, "plif_noise": config.plif_noise}
-    if head in ("mos", "moss", "mos_plif"):
-        options["num_components"] = config.num_components
-    if head == "monotone_mlp":
-        options["num_hidden"] = config.num_hidden
-    return options
+    return nn.head_options(
+        head,
+        num_knots=config.num_knots,
+        plif_noise=config.plif_noise,
+        num_components=config.num_components,
+        num_hidden=config.num_hidden,
+    )
 
 
 def random_head_log_probs(

@@ -27,6 +27,7 @@ import matplotlib
 import numpy as np
 from flax import nnx
 
+from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy, synthetic_metrics
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.models import ContextEmbeddingModel
@@ -118,14 +119,13 @@ PRESETS = {
 
 def head_options(config: Config, head: str) -> dict:
     """The options of ``head`` that the config controls."""
-    options: dict = {}
-    if head in ("plif", "mos_plif"):
-        options |= {"num_knots": config.num_knots, "plif_noise": config.plif_noise}
-    if head in ("mos", "moss", "mos_plif"):
-        options["num_components"] = config.num_components
-    if head == "monotone_mlp":
-        options["num_hidden"] = config.num_hidden
-    return options
+    return nn.head_options(
+        head,
+        num_knots=config.num_knots,
+        plif_noise=config.plif_noise,
+        num_components=config.num_components,
+        num_hidden=config.num_hidden,
+    )
 
 
 def train_one(config: Config, run, head: str, dim: int, alpha: float, seed: int, targets) -> dict:

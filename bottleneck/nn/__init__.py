@@ -10,6 +10,7 @@ from bottleneck.nn.heads import (
     SigmoidHead,
     SigsoftmaxHead,
     SoftmaxHead,
+    head_options,
     make_head,
     param_labels,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "MixtureHead",
     "MonotoneMLPHead",
     "OutputHead",
+    "head_options",
     "PLIFHead",
     "ReLUHead",
     "SigmoidHead",

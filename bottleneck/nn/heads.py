@@ -441,6 +441,25 @@ def make_head(
     return head_cls(in_features, vocab_size, rngs=rngs, **fixed, **options)
 
 
+def head_options(
+    name: str, *, num_knots: int, plif_noise: float, num_components: int, num_hidden: int
+) -> dict[str, Any]:
+    """The subset of these options that head ``name`` takes, for configs that set them all.
+
+    Example:
+      >>> head_options("mos_plif", num_knots=10, plif_noise=0.0, num_components=4, num_hidden=8)
+      {'num_knots': 10, 'plif_noise': 0.0, 'num_components': 4}
+    """
+    options: dict[str, Any] = {}
+    if name in ("plif", "mos_plif"):
+        options |= {"num_knots": num_knots, "plif_noise": plif_noise}
+    if name in ("mos", "moss", "mos_plif"):
+        options["num_components"] = num_components
+    if name == "monotone_mlp":
+        options["num_hidden"] = num_hidden
+    return options
+
+
 PLIF_SLOPES_LABEL = "plif_slopes"
 
 
