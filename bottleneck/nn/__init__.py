@@ -1,5 +1,6 @@
 """Flax NNX modules: output heads, the mixture-of-experts dense layer, models around a head."""
 
+from bottleneck.nn.awd_lstm import AWDLSTM
 from bottleneck.nn.heads import (
     HEAD_NAMES,
     MixtureHead,
@@ -18,6 +19,7 @@ from bottleneck.nn.models import ContextEmbeddingModel
 from bottleneck.nn.moe import DenseMoE, dense_moe
 
 __all__ = [
+    "AWDLSTM",
     "HEAD_NAMES",
     "ContextEmbeddingModel",
     "DenseMoE",
