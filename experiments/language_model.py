@@ -56,6 +56,7 @@ import tensorflow_datasets as tfds
 from flax import nnx
 from tqdm.auto import tqdm
 
+from bottleneck import nn
 from bottleneck.data import CORPORA, batchify, bptt_windows, load_corpus
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
@@ -359,19 +360,6 @@ def load_data(config: Config) -> TokenizedCorpus:
         raise UsageError(f"cannot load corpus {config.corpus!r}: {err}") from None
 
 
-def head_options(config: Config) -> dict[str, Any]:
-    """The head options the config controls, for the chosen head only."""
-    options: dict[str, Any] = {}
-    if config.head in ("plif", "mos_plif"):
-        options |= {"num_knots": config.num_knots, "bound": config.plif_bound,
-                    "plif_noise": config.plif_noise}  # fmt: skip
-    if config.head in MIXTURE_HEAD_NAMES:
-        options["num_components"] = config.num_components
-    if config.head == "monotone_mlp":
-        options["num_hidden"] = config.num_hidden
-    return options
-
-
 def build_model(config: Config, vocab_size: int) -> AWDLSTM:
     return AWDLSTM(
         vocab_size,
@@ -389,7 +377,7 @@ def build_model(config: Config, vocab_size: int) -> AWDLSTM:
         tie_weights=config.tie_weights,
         unroll=config.unroll,
         rngs=nnx.Rngs(config.seed),
-        **head_options(config),
+        **nn.head_options(config.head, bound=config.plif_bound, **dataclasses.asdict(config)),
     )
 
 

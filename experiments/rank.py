@@ -183,17 +183,6 @@ PRESETS: dict[str, dict] = {
 # --mode random
 
 
-def head_options(config: Config, head: str) -> dict:
-    """The options of ``head`` that the config controls."""
-    return nn.head_options(
-        head,
-        num_knots=config.num_knots,
-        plif_noise=config.plif_noise,
-        num_components=config.num_components,
-        num_hidden=config.num_hidden,
-    )
-
-
 def random_head_log_probs(
     config: Config, head: str, hidden: jax.Array, key: jax.Array
 ) -> jax.Array:
@@ -206,7 +195,7 @@ def random_head_log_probs(
         config.vocab_size,
         rngs=nnx.Rngs(params=params_key),
         use_bias=config.bias_std > 0,
-        **head_options(config, head),
+        **nn.head_options(head, **dataclasses.asdict(config)),
     )
     if model.bias is not None:
         # A zero bias would hide the bias's rank-one direction: Kanai's d + 2 needs a real one.

@@ -117,17 +117,6 @@ PRESETS = {
 }
 
 
-def head_options(config: Config, head: str) -> dict:
-    """The options of ``head`` that the config controls."""
-    return nn.head_options(
-        head,
-        num_knots=config.num_knots,
-        plif_noise=config.plif_noise,
-        num_components=config.num_components,
-        num_hidden=config.num_hidden,
-    )
-
-
 def train_one(config: Config, run, head: str, dim: int, alpha: float, seed: int, targets) -> dict:
     """Trains one model full-batch and returns its row of results."""
     mesh = make_mesh(config.mesh) if config.mesh else None
@@ -138,7 +127,7 @@ def train_one(config: Config, run, head: str, dim: int, alpha: float, seed: int,
         head,
         rngs=nnx.Rngs(seed),
         mesh=mesh,
-        **head_options(config, head),
+        **nn.head_options(head, **dataclasses.asdict(config)),
     )
     if mesh is not None:  # contexts split on "data", the head's vocabulary on "vocab"
         model, targets = shard_model(model, mesh), shard_batch(targets, mesh)

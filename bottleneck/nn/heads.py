@@ -441,23 +441,29 @@ def make_head(
     return head_cls(in_features, vocab_size, rngs=rngs, **fixed, **options)
 
 
-def head_options(
-    name: str, *, num_knots: int, plif_noise: float, num_components: int, num_hidden: int
-) -> dict[str, Any]:
-    """The subset of these options that head ``name`` takes, for configs that set them all.
+_PLIF_OPTIONS = ("num_knots", "bound", "plif_noise")
+_MIXTURE_OPTIONS = ("num_components", "latent_features")
+_HEAD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "relu": ("eps",),
+    "plif": _PLIF_OPTIONS,
+    "monotone_mlp": ("num_hidden",),
+    "mos": _MIXTURE_OPTIONS,
+    "moss": _MIXTURE_OPTIONS,
+    "mos_plif": _MIXTURE_OPTIONS + _PLIF_OPTIONS,
+}
+
+
+def head_options(name: str, **candidates: Any) -> dict[str, Any]:
+    """The subset of ``candidates`` that head ``name`` takes, for configs that hold them all.
 
     Example:
-      >>> head_options("mos_plif", num_knots=10, plif_noise=0.0, num_components=4, num_hidden=8)
-      {'num_knots': 10, 'plif_noise': 0.0, 'num_components': 4}
+      >>> head_options("mos_plif", num_knots=10, num_components=4, num_hidden=8, seed=0)
+      {'num_knots': 10, 'num_components': 4}
     """
-    options: dict[str, Any] = {}
-    if name in ("plif", "mos_plif"):
-        options |= {"num_knots": num_knots, "plif_noise": plif_noise}
-    if name in ("mos", "moss", "mos_plif"):
-        options["num_components"] = num_components
-    if name == "monotone_mlp":
-        options["num_hidden"] = num_hidden
-    return options
+    if name not in _HEADS:
+        raise ValueError(f"unknown head {name!r}; choose one of {', '.join(HEAD_NAMES)}")
+    accepted = _HEAD_OPTIONS.get(name, ())
+    return {key: value for key, value in candidates.items() if key in accepted}
 
 
 PLIF_SLOPES_LABEL = "plif_slopes"

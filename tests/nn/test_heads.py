@@ -248,3 +248,22 @@ def test_memory_bound_at_scale_for_every_head():
     )
     naive_temp = naive.lower(state, h, labels).compile().memory_analysis().temp_size_in_bytes
     assert naive_temp > 2 * full_logits_bytes  # the bound above is a real saving
+
+
+def test_head_options_keep_only_what_each_head_takes():
+    every = {
+        "num_knots": 10,
+        "bound": 5.0,
+        "plif_noise": 0.5,
+        "num_components": 3,
+        "num_hidden": 4,
+        "eps": 1e-6,
+    }
+    assert nn.head_options("softmax", **every) == {}
+    assert nn.head_options("relu", **every) == {"eps": 1e-6}
+    assert nn.head_options("plif", **every) == {"num_knots": 10, "bound": 5.0, "plif_noise": 0.5}
+    assert nn.head_options("moss", **every) == {"num_components": 3}
+    for name in nn.HEAD_NAMES:  # whatever it keeps, the head accepts
+        nn.make_head(name, D, M, rngs=nnx.Rngs(0), **nn.head_options(name, **every))
+    with pytest.raises(ValueError, match="unknown head 'soft'"):
+        nn.head_options("soft", **every)
