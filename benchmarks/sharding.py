@@ -182,8 +182,12 @@ def memory_case(name: str, layout: str, dump_dir: Path | None, seen: set[Path]) 
     compile_s = time.perf_counter() - start
     stats = compiled.memory_analysis()
     sizes = dict(mesh.shape)
+    # As head.loss sizes them: each device's tokens and columns, its share of the budget.
+    local_tokens = -(-WT2.tokens // sizes[DATA])
     chunk = chunk_size_for_budget(
-        WT2.tokens, head.elements_per_token, DEFAULT_MEMORY_BUDGET, sizes[DATA]
+        local_tokens,
+        -(-head.elements_per_token // sizes[VOCAB]),
+        DEFAULT_MEMORY_BUDGET // mesh.size,
     )
     result = {
         "layout": layout,
@@ -198,8 +202,8 @@ def memory_case(name: str, layout: str, dump_dir: Path | None, seen: set[Path]) 
         "param_bytes": per_device_param_bytes(state),
         "global_param_bytes": global_param_bytes(state),
         "hidden_bytes_per_device": WT2.tokens * WT2.dim * 4 // sizes[DATA],
-        "chunk_tokens": chunk,
-        "num_chunks": -(-WT2.tokens // chunk),
+        "chunk_tokens_per_device": chunk,
+        "num_chunks": -(-local_tokens // chunk),
         "chunk_columns_per_device": head.num_components
         * padded_vocab_size(WT2.vocab, mesh)
         // sizes[VOCAB],
@@ -403,10 +407,11 @@ def report(
     )
     text += (
         f"\nLargest temporary regions on {top} devices (XLA buffer assignment; a region holds "
-        "several buffers in turn). What does not shrink with vocabulary sharding: buffers the "
-        f"size of the replicated hidden states `[N, d]` ({WT2.tokens * WT2.dim * 4 / MIB:.1f} "
-        "MiB: `h` in chunk order, the stacked `dL/dh` and its un-chunked copy) and the gradients "
-        "of replicated parameters (MoS's latent projection `[400, 6000]`, twice):\n\n"
+        "several buffers in turn). The chunk loop runs inside one `shard_map` and reads `h` and "
+        "writes `dL/dh` in place, so no temporary the size of the replicated hidden states "
+        f"`[N, d]` ({WT2.tokens * WT2.dim * 4 / MIB:.1f} MiB) remains; the decoder gradient "
+        "shard `[M/n, d]` falls as 1/n. What does not shrink with vocabulary sharding: the "
+        "replicated parameters and their gradients (MoS's latent projection `[400, 6000]`):\n\n"
     )
     for name in MEMORY_HEADS:
         text += f"- {name}: {largest_regions(memory[top]['cases'][f'{name}:vocab={top}'])}\n"

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from bottleneck._checks import as_compute, require_float, require_ndim
+from bottleneck.sharding import mark_varying, varying_axes
 
 
 def _check_labels(log_probs: jax.Array, labels: jax.Array, where: jax.Array | None) -> None:
@@ -110,22 +111,16 @@ _LIVE_BUFFERS_PER_ELEMENT = 4
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
 
 
-def chunk_size_for_budget(
-    num_tokens: int, elements_per_token: int, memory_budget: int, multiple: int = 1
-) -> int:
-    """Tokens per chunk so that one chunk's float32 work stays within ``memory_budget`` bytes.
-
-    Rounded up to a multiple of ``multiple`` (the data-parallel shards, which split each chunk).
-    """
+def chunk_size_for_budget(num_tokens: int, elements_per_token: int, memory_budget: int) -> int:
+    """Tokens per chunk so that one chunk's float32 work stays within ``memory_budget`` bytes."""
     if memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
     bytes_per_token = 4 * _LIVE_BUFFERS_PER_ELEMENT * max(elements_per_token, 1)
-    chunk = min(max(memory_budget // bytes_per_token, 1), max(num_tokens, 1))
-    return int(-(-chunk // multiple) * multiple)
+    return int(min(max(memory_budget // bytes_per_token, 1), max(num_tokens, 1)))
 
 
 def chunked_cross_entropy(
-    token_log_probs: Callable[[Any, jax.Array, jax.Array], jax.Array],
+    token_log_probs: Callable[..., jax.Array],
     params: Any,
     hidden: jax.Array,
     labels: jax.Array,
@@ -133,7 +128,8 @@ def chunked_cross_entropy(
     *,
     elements_per_token: int,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
-    token_multiple: int = 1,
+    token_constants: Any = None,
+    data_axis: str | None = None,
 ) -> jax.Array:
     r"""Mean NLL of an output head, computed in token chunks so peak memory stays bounded.
 
@@ -149,21 +145,32 @@ def chunked_cross_entropy(
     gradients by the incoming cotangent. That costs the three matmuls of plain autodiff (logits,
     d hidden, d weights) instead of the four of a recompute-in-backward scheme, and saves only
     ``[N, d]`` + parameter-sized residuals. Without differentiation only the forward chunks run.
-    When everything fits in ``memory_budget`` there is a single chunk and no loop.
+    When everything fits in ``memory_budget`` there is a single chunk and no loop. Chunks are
+    contiguous runs of tokens read and written in place (the last one overlaps its
+    predecessor instead of padding), so no copy of ``hidden`` or its gradient is made.
+
+    Data parallelism: called inside ``jax.shard_map`` with each shard's own tokens and
+    ``data_axis`` naming the mesh axis they are split over, the mask is normalized by the
+    global count, every shard returns the global mean, and each shard accumulates its
+    parameter gradients locally and reduces them over ``data_axis`` once per call (not once
+    per chunk). Collectives of ``token_log_probs`` itself (a vocabulary-parallel normalizer)
+    run per chunk.
 
     .. math:: \mathcal{L} = -\frac{1}{\sum_n w_n} \sum_n w_n \log p_\theta(y_n \mid h_n)
 
     Args:
-      token_log_probs: pure function of ``(params, hidden [C, d], labels [C])`` returning ``[C]``.
+      token_log_probs: pure function of ``(params, hidden [C, d], labels [C])`` returning ``[C]``;
+        with ``token_constants`` it is called as ``(params, hidden, labels, constants)``.
       params: pytree of parameters (differentiable).
       hidden: ``[..., d]`` hidden states (differentiable).
       labels: ``[...]`` integer targets.
       where: optional ``[...]`` boolean mask of the positions that count.
-      elements_per_token: size of the per-token intermediate (``M``, ``K * M`` for a mixture).
-      memory_budget: bytes one chunk may use.
-      token_multiple: chunk sizes are multiples of this (the data-parallel shards). Chunks
-        take every ``num_chunks``-th token, so a token axis sharded in contiguous blocks gives
-        each shard an equal part of every chunk without moving data.
+      elements_per_token: size of the per-token intermediate (``M``, ``K * M`` for a mixture;
+        this shard's columns when the vocabulary is split).
+      memory_budget: bytes one chunk may use (on this device).
+      token_constants: optional pytree of per-token arrays ``[..., ...]`` (leading shape that of
+        ``labels``) chunked alongside ``hidden`` but not differentiated, e.g. dropout masks.
+      data_axis: inside ``shard_map``, the mesh axis the tokens are split over.
 
     Returns:
       Scalar mean NLL (float32), equal to ``cross_entropy(log_probs, labels, where)``.
@@ -182,79 +189,143 @@ def chunked_cross_entropy(
         raise ValueError(
             f"where must have shape {labels.shape} like labels, got {jnp.shape(where)}"
         )
+    for constant in jax.tree.leaves(token_constants):
+        if jnp.shape(constant)[: labels.ndim] != labels.shape:
+            raise ValueError(
+                f"token_constants must have leading shape {labels.shape} like labels, got "
+                f"{jnp.shape(constant)}"
+            )
     num_tokens = labels.size
     hidden_flat = hidden.reshape(num_tokens, hidden.shape[-1])
     labels_flat = labels.reshape(num_tokens).astype(jnp.int32)
-    if where is None:
-        weights = jnp.full((num_tokens,), 1.0 / max(num_tokens, 1), jnp.float32)
-    else:
-        mask = jnp.asarray(where, bool).reshape(num_tokens)
-        weights = mask.astype(jnp.float32) / jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
-    chunk = chunk_size_for_budget(num_tokens, elements_per_token, memory_budget, token_multiple)
-    padding = -num_tokens % chunk
-    if padding:  # padded tokens carry zero weight, so they change neither loss nor gradients
-        hidden_flat = jnp.pad(hidden_flat, ((0, padding), (0, 0)))
-        labels_flat = jnp.pad(labels_flat, (0, padding))
-        weights = jnp.pad(weights, (0, padding))
-    loss = _fused_weighted_nll(token_log_probs, chunk, params, hidden_flat, labels_flat, weights)
+    constants_flat = jax.tree.map(
+        lambda c: jnp.reshape(c, (num_tokens, *jnp.shape(c)[labels.ndim :])), token_constants
+    )
+    mask = (
+        jnp.ones((num_tokens,), bool)
+        if where is None
+        else jnp.asarray(where, bool).reshape(num_tokens)
+    )
+    count = jnp.sum(mask).astype(jnp.float32)
+    if data_axis is not None:
+        count = jax.lax.psum(count, data_axis)
+    weights = mask.astype(jnp.float32) / jnp.maximum(count, 1.0)
+    chunk = chunk_size_for_budget(num_tokens, elements_per_token, memory_budget)
+    if num_tokens == 0:  # one zero-weight token keeps the shapes valid
+        pad = lambda x: jnp.pad(x, [(0, 1)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+        hidden_flat, labels_flat, weights = pad(hidden_flat), pad(labels_flat), pad(weights)
+        constants_flat = jax.tree.map(pad, constants_flat)
+    loss = _fused_weighted_nll(
+        token_log_probs, chunk, data_axis, params, hidden_flat, labels_flat, weights, constants_flat
+    )
     return loss
 
 
-def _chunks(x: jax.Array, chunk: int) -> jax.Array:
-    """``[num_chunks * chunk, ...] -> [num_chunks, chunk, ...]``, chunk ``i`` = tokens ``i::num_chunks``."""
-    return jnp.swapaxes(x.reshape(chunk, x.shape[0] // chunk, *x.shape[1:]), 0, 1)
+def _chunk_at(xs: Any, index: jax.Array, chunk: int) -> Any:
+    """Chunk ``index`` of the token-major pytree ``(hidden, labels, weights, constants)``.
+
+    Chunks are contiguous windows read in place (no padded or reordered copy of the inputs).
+    The last one ends at the last token and so may overlap its predecessor; the overlapping
+    tokens get zero weight there, so every token counts once. Returns the window's first
+    token and its arrays.
+    """
+    hidden, labels, weights, constants = xs
+    num_tokens = hidden.shape[0]
+    start = jnp.minimum(index * chunk, num_tokens - chunk)
+    window = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk)  # noqa: E731
+    fresh = start + jnp.arange(chunk) >= index * chunk
+    weights = jnp.where(fresh, window(weights), jnp.zeros((), weights.dtype))
+    return start, (window(hidden), window(labels), weights, jax.tree.map(window, constants))
 
 
-def _unchunk(x: jax.Array) -> jax.Array:
-    """Inverse of :func:`_chunks`."""
-    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+def _call(token_log_probs: Callable[..., jax.Array], params, h, y, constants) -> jax.Array:
+    args = (params, h, y) if constants is None else (params, h, y, constants)
+    return token_log_probs(*args).astype(jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused_weighted_nll(token_log_probs, chunk, params, hidden, labels, weights):
-    def chunk_loss(carry, xs):
-        h, y, w = xs
-        return carry - jnp.sum(w * token_log_probs(params, h, y).astype(jnp.float32)), None
-
-    xs = (_chunks(hidden, chunk), _chunks(labels, chunk), _chunks(weights, chunk))
-    return jax.lax.scan(chunk_loss, jnp.zeros((), jnp.float32), xs)[0]
+def _psum(x: jax.Array, axis: str | None) -> jax.Array:
+    return x if axis is None else jax.lax.psum(x, axis)
 
 
-def _fused_weighted_nll_fwd(token_log_probs, chunk, params, hidden, labels, weights):
-    def value_and_grads(h, y, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_weighted_nll(
+    token_log_probs, chunk, data_axis, params, hidden, labels, weights, constants
+):
+    def chunk_loss(xs):
+        h, y, w, c = xs
+        return -jnp.sum(w * _call(token_log_probs, params, h, y, c))
+
+    xs = (hidden, labels, weights, constants)
+    if hidden.shape[0] == chunk:
+        return _psum(chunk_loss(xs), data_axis)
+    num_chunks = -(-hidden.shape[0] // chunk)
+    losses = jax.lax.map(lambda i: chunk_loss(_chunk_at(xs, i, chunk)[1]), jnp.arange(num_chunks))
+    return _psum(jnp.sum(losses), data_axis)
+
+
+def _fused_weighted_nll_fwd(
+    token_log_probs, chunk, data_axis, params, hidden, labels, weights, constants
+):
+    # Parameters replicated over the data axis are marked as varying, so each shard's gradient
+    # stays its own partial sum through the chunk loop; one psum at the end combines them.
+    local_params = params
+    if data_axis is not None:
+        local_params = jax.tree.map(lambda p: mark_varying(p, (data_axis,)), params)
+
+    def value_and_grads(h, y, w, c):
         def weighted_nll(p, h):
-            return -jnp.sum(w * token_log_probs(p, h, y).astype(jnp.float32))
+            return -jnp.sum(w * _call(token_log_probs, p, h, y, c))
 
-        return jax.value_and_grad(weighted_nll, argnums=(0, 1))(params, h)
+        return jax.value_and_grad(weighted_nll, argnums=(0, 1))(local_params, h)
 
     if hidden.shape[0] == chunk:
-        loss, (grad_params, grad_hidden) = value_and_grads(hidden, labels, weights)
+        loss, (grad_params, grad_hidden) = value_and_grads(hidden, labels, weights, constants)
     else:
 
-        def step(carry, xs):
-            loss, grad_params = carry
-            chunk_loss, (chunk_grad_params, grad_hidden) = value_and_grads(*xs)
+        def step(carry, index):
+            grad_params, grad_hidden = carry
+            start, chunk_xs = _chunk_at(xs, index, chunk)
+            chunk_loss, (chunk_grad_params, chunk_grad_hidden) = value_and_grads(*chunk_xs)
             grad_params = jax.tree.map(
                 lambda acc, g: acc + g.astype(jnp.float32), grad_params, chunk_grad_params
             )
-            return (loss + chunk_loss, grad_params), grad_hidden
+            # Added, not written: the last chunk's overlap carries zero gradient.
+            previous = jax.lax.dynamic_slice_in_dim(grad_hidden, start, chunk)
+            grad_hidden = jax.lax.dynamic_update_slice_in_dim(
+                grad_hidden, previous + chunk_grad_hidden, start, axis=0
+            )
+            return (grad_params, grad_hidden), chunk_loss
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-        xs = (_chunks(hidden, chunk), _chunks(labels, chunk), _chunks(weights, chunk))
-        (loss, grad_params), grad_hidden = jax.lax.scan(
-            step, (jnp.zeros((), jnp.float32), zeros), xs
+        def zeros(x: jax.Array, dtype: Any) -> jax.Array:
+            return mark_varying(jnp.zeros(jnp.shape(x), dtype), varying_axes(x))
+
+        xs = (hidden, labels, weights, constants)
+        init = (
+            jax.tree.map(lambda p: zeros(p, jnp.float32), local_params),
+            zeros(hidden, hidden.dtype),
         )
-        grad_hidden = _unchunk(grad_hidden)
-        grad_params = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grad_params, params)
-    return loss, (grad_params, grad_hidden)
+        num_chunks = -(-hidden.shape[0] // chunk)
+        (grad_params, grad_hidden), losses = jax.lax.scan(step, init, jnp.arange(num_chunks))
+        loss = jnp.sum(losses)
+    grad_params = jax.tree.map(
+        lambda g, p: _reduce_like(g, p).astype(jnp.result_type(p)), grad_params, params
+    )
+    return _psum(loss, data_axis), (grad_params, grad_hidden)
 
 
-def _fused_weighted_nll_bwd(token_log_probs, chunk, residuals, cotangent):
+def _reduce_like(grad: jax.Array, param: jax.Array) -> jax.Array:
+    """Sums a gradient over the shard_map axes where it varies but its parameter does not."""
+    axes = tuple(sorted(varying_axes(grad) - varying_axes(param)))
+    return jax.lax.psum(grad, axes) if axes else grad
+
+
+def _fused_weighted_nll_bwd(token_log_probs, chunk, data_axis, residuals, cotangent):
     grad_params, grad_hidden = residuals
     scale = cotangent.astype(jnp.float32)
     return (
         jax.tree.map(lambda g: (scale * g.astype(jnp.float32)).astype(g.dtype), grad_params),
         (scale * grad_hidden.astype(jnp.float32)).astype(grad_hidden.dtype),
+        None,
         None,
         None,
     )

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from bottleneck._checks import compute_dtype, require_float
+from bottleneck.sharding import mark_varying, varying_axes
 
 # softplus^{-1}(1) = log(e - 1): raw slopes at this value make PLIF the identity map.
 IDENTITY_RAW_SLOPE = math.log(math.expm1(1.0))
@@ -133,25 +134,10 @@ def plif(x: jax.Array, raw_slopes: jax.Array, bound: float = 20.0) -> jax.Array:
     _check_plif_args(x, raw_slopes, bound)
     x = jnp.asarray(x)
     dtype = compute_dtype(x, raw_slopes)
-    raw_slopes = _vary_like(raw_slopes, x)
+    # Inside shard_map the slope gradient varies like x; the cast makes the primal match it and
+    # its transpose sums the shards' slope gradients.
+    raw_slopes = mark_varying(raw_slopes, varying_axes(x))
     return _plif(x.astype(dtype), raw_slopes.astype(dtype), float(bound))
-
-
-def _varying_axes(x: jax.Array) -> frozenset:
-    """Mesh axes over which ``x`` differs between shards inside ``shard_map`` (empty outside)."""
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(manual, "varying", ()))
-
-
-def _vary_like(params: jax.Array, x: jax.Array) -> jax.Array:
-    """Marks replicated ``params`` as varying over the shard_map axes that ``x`` varies over.
-
-    Inside ``shard_map`` (vocabulary-parallel heads) the custom VJP's slope gradient varies
-    over the shards; the cast makes the primal input match it, and its transpose sums the
-    per-shard slope gradients, which is exactly the gradient of the replicated slopes.
-    """
-    axes = tuple(sorted(_varying_axes(x) - _varying_axes(params)))
-    return jax.lax.pcast(params, axes, to="varying") if axes else params
 
 
 def plif_init(key: jax.Array, num_knots: int, noise: float = 0.0) -> jax.Array:

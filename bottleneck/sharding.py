@@ -81,6 +81,16 @@ def make_mesh(
     )
 
 
+def mesh_from_flag(spec: str | None) -> Mesh | None:
+    """The mesh an experiment's ``--mesh`` flag asks for; ``None`` when that is one device.
+
+    ``""`` (the flags' default) puts every device on ``data``; on a one-device machine the
+    plain single-device code runs.
+    """
+    mesh = make_mesh(spec or None)
+    return mesh if mesh.size > 1 else None
+
+
 def axis_size(mesh: Mesh | None, name: str) -> int:
     """Size of mesh axis ``name`` (1 without a mesh or without that axis)."""
     return 1 if mesh is None else dict(mesh.shape).get(name, 1)
@@ -96,9 +106,26 @@ def padded_vocab_size(vocab_size: int, mesh: Mesh | None) -> int:
     return shards * math.ceil(vocab_size / shards)
 
 
-def shard_batch(x: Any, mesh: Mesh) -> Any:
-    """Places arrays with their leading (token/batch) axis sharded on ``data``."""
-    return jax.device_put(x, NamedSharding(mesh, P(DATA)))
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """Mesh axes over which ``x`` differs between shards inside ``shard_map`` (empty outside)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
+def mark_varying(x: jax.Array, axes: Sequence[str] | frozenset[str]) -> jax.Array:
+    """Inside ``shard_map``, types ``x`` as varying over ``axes`` too (``jax.lax.pcast``).
+
+    A no-op for axes ``x`` already varies over and outside ``shard_map``. Its transpose sums over
+    the added axes, so a replicated parameter marked this way gets the sum of the shards'
+    gradient contributions.
+    """
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def shard_batch(x: Any, mesh: Mesh, axis: int = 0) -> Any:
+    """Places arrays with their token/batch axis (``axis``, default the leading one) on ``data``."""
+    return jax.device_put(x, NamedSharding(mesh, P(*([None] * axis), DATA)))
 
 
 def replicate(x: Any, mesh: Mesh) -> Any:

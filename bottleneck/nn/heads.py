@@ -15,6 +15,7 @@ NLL through :func:`bottleneck.losses.chunked_cross_entropy`, which never holds t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,20 @@ def uniform_init(scale: float) -> Callable[..., jax.Array]:
         return jax.random.uniform(key, shape, dtype, -scale, scale)
 
     return init
+
+
+def padded_rows_init(init: Callable[..., jax.Array], num_rows: int) -> Callable[..., jax.Array]:
+    """``init`` for the first ``num_rows`` rows, zeros below (a vocabulary padded for a mesh).
+
+    The real rows are drawn exactly as without padding, so a model starts from the same
+    parameters on any mesh.
+    """
+
+    def padded(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        real = init(key, (num_rows, *shape[1:]), dtype)
+        return jnp.pad(real, [(0, shape[0] - num_rows)] + [(0, 0)] * (len(shape) - 1))
+
+    return padded
 
 
 class OutputHead(nnx.Module):
@@ -88,7 +103,9 @@ class OutputHead(nnx.Module):
         sharded_rows = {"out_sharding": (VOCAB, None), "mesh": mesh} if self.vocab_parallel else {}
         if tied_embedding is None:
             self.decoder = nnx.Param(
-                uniform_init(0.1)(rngs.params(), (rows, self.decoder_features), param_dtype),
+                padded_rows_init(uniform_init(0.1), vocab_size)(
+                    rngs.params(), (rows, self.decoder_features), param_dtype
+                ),
                 **sharded_rows,
             )
         else:
@@ -139,9 +156,24 @@ class OutputHead(nnx.Module):
         """The normalizer's elementwise ``log g(z)``; ``z`` for softmax."""
         return softmax_log_scores(z)
 
-    def components(self, h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """``h [..., d]`` -> decoder inputs ``[..., K, d']`` and log prior ``[..., K]`` (or None)."""
+    def components(
+        self, h: jax.Array, latent_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """``h [..., d]`` -> decoder inputs ``[..., K, d']`` and log prior ``[..., K]`` (or None).
+
+        ``latent_mask`` multiplies a mixture's latents (:class:`MixtureHead`); other heads have
+        none and refuse it.
+        """
+        if latent_mask is not None:
+            raise ValueError(
+                f"latent_mask applies to mixture heads only; {type(self).__name__} has no latents"
+            )
         return h[..., None, :], None
+
+    @property
+    def latent_mask_features(self) -> int:
+        """Width of a per-token ``latent_mask`` (``K * d'``; 0: the head has no latents)."""
+        return 0
 
     def _check_hidden(self, h: jax.Array) -> None:
         if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != self.in_features:
@@ -164,41 +196,73 @@ class OutputHead(nnx.Module):
             return component_log_probs[..., 0, :]
         return mixture_log_probs(component_log_probs, log_prior)
 
-    def label_log_probs(self, h: jax.Array, labels: jax.Array) -> jax.Array:
-        """``log p(labels | h)`` ``[...]`` for ``h [..., d]``, without normalizing into ``[..., M]``.
+    def _per_token_latent_mask(self, h: jax.Array, latent_mask: jax.Array | None) -> Any:
+        """``latent_mask`` broadcast to one row per token ``[..., K * d']`` (None stays None)."""
+        if latent_mask is None:
+            return None
+        if not self.latent_mask_features:
+            self.components(h, latent_mask)  # raises the head's own error
+        shape = (*h.shape[:-1], self.latent_mask_features)
+        try:
+            return jnp.broadcast_to(latent_mask, shape).astype(h.dtype)
+        except ValueError:
+            raise ValueError(
+                f"latent_mask must broadcast to {shape} (h {h.shape}), got {jnp.shape(latent_mask)}"
+            ) from None
 
-        With a mesh it runs under ``shard_map``: tokens split on ``data``, decoder columns on
-        ``vocab``, and :func:`~bottleneck.losses.target_log_probs` combines the shards.
-        """
-        if self.mesh is None:
-            return self._shard_label_log_probs(h, labels, vocab_axis=None)
-        graphdef, state = nnx.split(self)
+    def _state_specs(self, state: nnx.State) -> Any:
+        """Partition specs of this head's state: decoder and bias on ``vocab``, the rest replicated."""
 
-        def local(state: nnx.State, h: jax.Array, labels: jax.Array) -> jax.Array:
-            head = nnx.merge(graphdef, state)
-            return head._shard_label_log_probs(h, labels, VOCAB if head.vocab_parallel else None)
-
-        # Only this head's own decoder and bias are split by vocabulary; all else is replicated.
         def spec(path: tuple[Any, ...], leaf: jax.Array) -> P:
             owner = getattr(path[0], "key", None)
             if self.vocab_parallel and owner in ("decoder", "bias"):
                 return P(VOCAB, *([None] * (leaf.ndim - 1)))
             return P()
 
-        state_specs = jax.tree_util.tree_map_with_path(spec, state)
+        return jax.tree_util.tree_map_with_path(spec, state)
+
+    def label_log_probs(
+        self, h: jax.Array, labels: jax.Array, latent_mask: jax.Array | None = None
+    ) -> jax.Array:
+        """``log p(labels | h)`` ``[...]`` for ``h [..., d]``, without normalizing into ``[..., M]``.
+
+        With a mesh it runs under ``shard_map``: tokens split on ``data`` (the leading axis),
+        decoder columns on ``vocab``, and :func:`~bottleneck.losses.target_log_probs` combines
+        the shards. ``latent_mask``: see :meth:`loss`.
+        """
+        self._check_hidden(h)
+        constants = self._per_token_latent_mask(h, latent_mask)
+        if self.mesh is None:
+            return self._shard_label_log_probs(h, labels, None, constants)
+        graphdef, state = nnx.split(self)
+        vocab_axis = VOCAB if self.vocab_parallel else None
+
+        def local(state: nnx.State, h: jax.Array, labels: jax.Array, constants: Any) -> jax.Array:
+            head = nnx.merge(graphdef, state)
+            return head._shard_label_log_probs(h, labels, vocab_axis, constants)
+
         token_spec = P(DATA, *([None] * (labels.ndim - 1)))
         return jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(state_specs, P(*token_spec, None), token_spec),
+            in_specs=(
+                self._state_specs(state),
+                P(*token_spec, None),
+                token_spec,
+                P(*token_spec, None),
+            ),
             out_specs=token_spec,
-        )(state, h, labels)
+        )(state, h, labels, constants)
 
     def _shard_label_log_probs(
-        self, h: jax.Array, labels: jax.Array, vocab_axis: str | None
+        self,
+        h: jax.Array,
+        labels: jax.Array,
+        vocab_axis: str | None,
+        latent_mask: jax.Array | None = None,
     ) -> jax.Array:
         """``log p(labels | h)`` from this shard's decoder columns, split over ``vocab_axis``."""
-        inputs, log_prior = self.components(h)
+        inputs, log_prior = self.components(h, latent_mask)
         first_column = 0
         if vocab_axis is not None:
             first_column = jax.lax.axis_index(vocab_axis) * self.decoder.shape[0]
@@ -214,36 +278,78 @@ class OutputHead(nnx.Module):
         joint = per_component + log_prior.astype(jnp.float32)
         return jax.nn.logsumexp(joint, axis=-1)
 
-    def loss(self, h: jax.Array, labels: jax.Array, where: jax.Array | None = None) -> jax.Array:
+    def loss(
+        self,
+        h: jax.Array,
+        labels: jax.Array,
+        where: jax.Array | None = None,
+        *,
+        latent_mask: jax.Array | None = None,
+    ) -> jax.Array:
         """Mean NLL over unmasked positions, in memory-bounded chunks.
 
         Equal to ``bn.cross_entropy(self(h), labels, where)`` to float32 round-off, gradients
-        included, while peak memory stays within ``memory_budget`` per chunk.
+        included, while peak memory stays within ``memory_budget`` per chunk. With a mesh the
+        whole chunk loop runs inside one ``shard_map``: each device takes its block of tokens
+        (``data``) and its decoder columns (``vocab``), the normalizers are combined across
+        ``vocab`` per chunk and the parameter gradients across ``data`` once.
 
         Args:
           h: ``[..., d]`` hidden states.
           labels: ``[...]`` integer targets in ``[0, M)``.
           where: optional ``[...]`` boolean mask.
+          latent_mask: mixture heads only: a multiplicative mask on the latents ``h_k``,
+            ``[..., K * d']`` or broadcastable to it (Yang et al.'s latent dropout, e.g. a locked
+            mask ``[1, B, K * d']`` for ``h [T, B, d]``).
 
         Returns:
           Scalar float32 loss.
         """
         self._check_hidden(h)
+        constants = self._per_token_latent_mask(h, latent_mask)
         graphdef, state = nnx.split(self)
+        vocab_axis = VOCAB if self.vocab_parallel else None
+        devices = 1 if self.mesh is None else self.mesh.size
 
-        def token_log_probs(state: nnx.State, h: jax.Array, labels: jax.Array) -> jax.Array:
-            return nnx.merge(graphdef, state).label_log_probs(h, labels)
+        def token_log_probs(state, h, labels, constants=None):
+            head = nnx.merge(graphdef, state)
+            return head._shard_label_log_probs(h, labels, vocab_axis, constants)
 
-        return chunked_cross_entropy(
-            token_log_probs,
-            state,
-            h,
-            labels,
-            where,
-            elements_per_token=self.elements_per_token,
-            memory_budget=self.memory_budget,
-            token_multiple=axis_size(self.mesh, DATA),
-        )
+        def local_loss(state, h, labels, where, constants, data_axis=None):
+            return chunked_cross_entropy(
+                token_log_probs,
+                state,
+                h,
+                labels,
+                where,
+                token_constants=constants,
+                # This device's columns and its share of the budget (all devices together
+                # hold one chunk of the given budget, as on one device).
+                elements_per_token=-(-self.elements_per_token // axis_size(self.mesh, VOCAB)),
+                memory_budget=max(self.memory_budget // devices, 1),
+                data_axis=data_axis,
+            )
+
+        if self.mesh is None:
+            return local_loss(state, h, labels, where, constants)
+        # Tokens in contiguous blocks per data shard: [T, B] inputs sharded on B should be
+        # passed batch-major ([B, T]) so that this reshape moves no data.
+        num_tokens, token_dims = labels.size, labels.ndim
+        flat = lambda x: x.reshape(num_tokens, *x.shape[token_dims:])  # noqa: E731
+        h, labels = flat(h), flat(labels)
+        where = jnp.ones((num_tokens,), bool) if where is None else flat(jnp.asarray(where, bool))
+        constants = None if constants is None else flat(constants)
+        padding = -num_tokens % axis_size(self.mesh, DATA)
+        if padding:  # padded tokens are masked out
+            pad = lambda x: jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+            h, labels, where = pad(h), pad(labels), pad(where)
+            constants = None if constants is None else pad(constants)
+        return jax.shard_map(
+            functools.partial(local_loss, data_axis=DATA),
+            mesh=self.mesh,
+            in_specs=(self._state_specs(state), P(DATA, None), P(DATA), P(DATA), P(DATA, None)),
+            out_specs=P(),
+        )(state, h, labels, where, constants)
 
 
 class SoftmaxHead(OutputHead):
@@ -403,8 +509,16 @@ class MixtureHead(OutputHead):
             return plif(z, self.raw_slopes[...], bound=self.bound)
         return softmax_log_scores(z)
 
-    def components(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    @property
+    def latent_mask_features(self) -> int:
+        return self.num_components * self.latent_features
+
+    def components(
+        self, h: jax.Array, latent_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         latent = jnp.tanh(self.latent(h))
+        if latent_mask is not None:  # Yang et al.'s latent dropout
+            latent = latent * latent_mask.astype(latent.dtype)
         latent = latent.reshape(*h.shape[:-1], self.num_components, self.latent_features)
         prior_logits = self.prior(h).astype(jnp.float32)
         prior_scores = (

@@ -59,6 +59,45 @@ def test_loss_equals_cross_entropy_of_full_log_probs(name, masked, memory_budget
     assert float(jnp.max(jnp.abs(chunked_grads[1]))) > 0  # the comparison is not vacuous
 
 
+@pytest.mark.parametrize("name", ["mos", "moss", "mos_plif"])
+@pytest.mark.parametrize("memory_budget", [2**30, 10_000], ids=["one_chunk", "many_chunks"])
+def test_latent_mask_equals_a_plain_masked_mixture(name, memory_budget):
+    """Yang's latent dropout: loss and gradients equal the full masked mixture's."""
+    head = make(name, memory_budget=memory_budget)
+    h, labels, where = _inputs()
+    k, width = head.num_components, head.latent_features
+    keep = jax.random.bernoulli(jax.random.key(2), 0.7, (1, 11, k * width))
+    mask = keep.astype(jnp.float32) / 0.7
+    graphdef, state = nnx.split(head)
+
+    def plain(state, h):
+        head = nnx.merge(graphdef, state)
+        latent, log_prior = head.components(h)
+        latent = latent * mask.reshape(1, 11, k, width)
+        log_probs = bn.mixture_log_probs(
+            bn.log_normalize(head.log_scores(head.logits(latent))), log_prior
+        )
+        return bn.cross_entropy(log_probs, labels, where)
+
+    def chunked(state, h):
+        return nnx.merge(graphdef, state).loss(h, labels, where, latent_mask=mask)
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(state, h)  # noqa: E731
+    (want, want_grads), (got, got_grads) = grad(plain), grad(chunked)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
+    unmasked = jax.jit(lambda state, h: nnx.merge(graphdef, state).loss(h, labels, where))
+    assert abs(float(unmasked(state, h)) - float(got)) > 1e-3  # the mask is applied
+
+
+def test_latent_mask_needs_a_mixture_head_and_a_matching_shape():
+    h, labels, _ = _inputs()
+    with pytest.raises(ValueError, match="latent_mask applies to mixture heads only"):
+        make("softmax").loss(h, labels, latent_mask=jnp.ones((1, 11, D)))
+    with pytest.raises(ValueError, match=r"latent_mask must broadcast to \(3, 11, 48\)"):
+        make("mos").loss(h, labels, latent_mask=jnp.ones((1, 11, 5)))
+
+
 def test_budget_splits_into_chunks_with_padding():
     assert chunk_size_for_budget(33, M, 2**30) == 33
     assert chunk_size_for_budget(33, M, 10_000) == 9  # 10_000 // (16 * 64): 4 chunks, 3 padded
