@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorflow_datasets as tfds
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from bottleneck import nn
@@ -61,6 +62,7 @@ from bottleneck.data import CORPORA, batchify, bptt_windows, load_corpus
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.awd_lstm import AWDLSTM, MIXTURE_HEAD_NAMES
+from bottleneck.sharding import DATA, mesh_from_flag, parse_mesh_spec, shard_model
 from bottleneck.train import make_optimizer, open_run, parse_config, print_table, progress
 from bottleneck.train.checkpoint import CheckpointStore, StopSignals
 from bottleneck.train.dynamic_eval import STYLES
@@ -163,6 +165,10 @@ class Config:
     dynamic_eval_max_batches: int | None = dataclasses.field(
         default=None, metadata={"help": "training batches for the statistics; none: one epoch"}
     )
+    mesh: str = dataclasses.field(
+        default="",
+        metadata={"help": "device mesh, e.g. data=4,vocab=2; empty: all devices on data"},
+    )
     out_dir: str = "runs/language_model"
 
     def validate(self) -> None:
@@ -209,6 +215,12 @@ class Config:
         if self.max_logprob_tokens is not None and self.max_logprob_tokens < 0:
             raise ValueError(
                 f"max_logprob_tokens must be >= 0 or none, got {self.max_logprob_tokens}"
+            )
+        data_shards = parse_mesh_spec(self.mesh or None, jax.device_count())[DATA]
+        if self.batch_size % data_shards:
+            raise ValueError(
+                f"batch_size {self.batch_size} must be a multiple of the mesh's data axis "
+                f"({data_shards}); choose another --batch_size or --mesh"
             )
         if self.dynamic_eval_max_batches is not None and self.dynamic_eval_max_batches < 1:
             raise ValueError(
@@ -360,8 +372,8 @@ def load_data(config: Config) -> TokenizedCorpus:
         raise UsageError(f"cannot load corpus {config.corpus!r}: {err}") from None
 
 
-def build_model(config: Config, vocab_size: int) -> AWDLSTM:
-    return AWDLSTM(
+def build_model(config: Config, vocab_size: int, mesh: Mesh | None = None) -> AWDLSTM:
+    model = AWDLSTM(
         vocab_size,
         emsize=config.emsize,
         nhid=config.nhid,
@@ -377,11 +389,13 @@ def build_model(config: Config, vocab_size: int) -> AWDLSTM:
         tie_weights=config.tie_weights,
         unroll=config.unroll,
         rngs=nnx.Rngs(config.seed),
+        mesh=mesh,
         **nn.head_options(config.head, bound=config.plif_bound, **dataclasses.asdict(config)),
     )
+    return model if mesh is None else shard_model(model, mesh)
 
 
-def build_trainer(config: Config, model: AWDLSTM) -> LanguageModelTrainer:
+def build_trainer(config: Config, model: AWDLSTM, mesh: Mesh | None = None) -> LanguageModelTrainer:
     uses_plif = config.head in ("plif", "mos_plif")
     tx = make_optimizer(
         config.lr,
@@ -390,7 +404,9 @@ def build_trainer(config: Config, model: AWDLSTM) -> LanguageModelTrainer:
         grad_clip_norm=config.clip or None,
         weight_decay=config.weight_decay,
     )
-    return LanguageModelTrainer(model, tx, alpha=config.alpha, beta=config.beta, seed=config.seed)
+    return LanguageModelTrainer(
+        model, tx, alpha=config.alpha, beta=config.beta, seed=config.seed, mesh=mesh
+    )
 
 
 def check_resumable(run_root: Path, config: Config) -> None:
@@ -439,7 +455,10 @@ class Run:
         self, config: Config, corpus: TokenizedCorpus, run: RunDir, store: CheckpointStore
     ):
         self.config, self.corpus, self.run, self.store = config, corpus, run, store
-        self.trainer = build_trainer(config, build_model(config, len(corpus.vocabulary)))
+        mesh = mesh_from_flag(config.mesh)
+        self.trainer = build_trainer(
+            config, build_model(config, len(corpus.vocabulary), mesh), mesh
+        )
         self.train_batched = batchify(corpus.train, config.batch_size)
         self.val_batched = batchify(corpus.validation, config.eval_batch_size)
         if self.train_batched.shape[0] < 3 or self.val_batched.shape[0] < 2:

@@ -31,7 +31,7 @@ from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy, synthetic_metrics
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.models import ContextEmbeddingModel
-from bottleneck.sharding import make_mesh, parse_mesh_spec, shard_batch, shard_model
+from bottleneck.sharding import DATA, mesh_from_flag, parse_mesh_spec, shard_batch, shard_model
 from bottleneck.train import Trainer, make_optimizer, open_run, parse_config, print_table, progress
 
 matplotlib.use("Agg")
@@ -63,7 +63,7 @@ class Config:
     plif_noise: float = 0.0
     num_hidden: int = 8
     log_every: int = 100
-    mesh: str = ""  # e.g. "data=4,vocab=2"; empty: one device
+    mesh: str = ""  # e.g. "data=4,vocab=2"; empty: all devices on data
     out_dir: str = "runs/synthetic"
 
     def validate(self) -> None:
@@ -91,8 +91,12 @@ class Config:
             raise ValueError(f"num_outcomes must be >= 2, got {self.num_outcomes}")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.mesh:
-            parse_mesh_spec(self.mesh, jax.device_count())
+        data_shards = parse_mesh_spec(self.mesh or None, jax.device_count())[DATA]
+        if self.num_contexts % data_shards:
+            raise ValueError(
+                f"num_contexts {self.num_contexts} must be a multiple of the mesh's data axis "
+                f"({data_shards}); choose another --num_contexts or --mesh"
+            )
 
 
 PRESETS = {
@@ -119,7 +123,7 @@ PRESETS = {
 
 def train_one(config: Config, run, head: str, dim: int, alpha: float, seed: int, targets) -> dict:
     """Trains one model full-batch and returns its row of results."""
-    mesh = make_mesh(config.mesh) if config.mesh else None
+    mesh = mesh_from_flag(config.mesh)
     model = ContextEmbeddingModel(
         config.num_contexts,
         dim,

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from bottleneck import nn
@@ -54,6 +55,74 @@ def test_sharded_equals_single_device(sharding_results, case):
 
 def test_every_case_was_run(sharding_results):
     assert set(sharding_results) == set(CASES)
+
+
+LM_SCRIPT = TESTS.parent / "experiments" / "language_model.py"
+# A mixture head with latent dropout (every piece of the LM that a mesh touches); vocab=8 pads
+# the 12-word fixture vocabulary to 16 rows, data=2,vocab=4 splits the batch of 2 as well.
+LM_ARGS = ("--preset", "smoke", "--head", "mos", "--dropoutl", "0.3")
+LM_MESHES = ("vocab=8", "data=2,vocab=4")
+
+
+def _lm_run(out, devices, *args):
+    env = _env(devices)
+    env["XLA_FLAGS"] += (
+        " --xla_backend_optimization_level=0"  # compile fast, as in test_language_model
+    )
+    return subprocess.Popen(
+        [sys.executable, str(LM_SCRIPT), *LM_ARGS, "--out_dir", str(out), *args],
+        cwd=TESTS.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _finish(process):
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+@pytest.fixture(scope="module")
+def lm_runs(tmp_path_factory):
+    """The LM smoke preset on one device and on two 8-device meshes (all run concurrently).
+
+    The data=2,vocab=4 run stops after 2 epochs and is resumed from its checkpoint for the
+    third, so restoring onto a mesh is covered too.
+    """
+    root = tmp_path_factory.mktemp("lm_mesh")
+    resumed = root / "data=2,vocab=4"
+    runs = [
+        _lm_run(root / "one_device", 1),
+        _lm_run(root / "vocab=8", 8, "--mesh", "vocab=8"),
+        _lm_run(resumed, 8, "--mesh", "data=2,vocab=4", "--epochs", "2"),
+    ]
+    _finish(runs.pop())
+    resume = _lm_run(resumed, 8, "--mesh", "data=2,vocab=4")
+    assert "at epoch 3, window 0" in _finish(resume)
+    for process in runs:
+        _finish(process)
+    return root
+
+
+def _lm_outcome(out):
+    """Every loss the run reports (per epoch, final, dynamic evaluation) and its log-probs."""
+    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    results = json.loads((out / "results.json").read_text())
+    losses = [(r["train_loss"], r["valid_loss"]) for r in epochs if r["event"] == "epoch"]
+    final = [results[k] for k in ("valid_loss", "test_loss")]
+    final += [results["dynamic_eval"][k] for k in ("valid_loss", "test_loss")]
+    log_probs = np.concatenate([np.load(f) for f in sorted((out / "log_probs").glob("*.npy"))])
+    return np.array(losses), np.array(final), log_probs
+
+
+@pytest.mark.parametrize("mesh", LM_MESHES)
+def test_language_model_smoke_on_a_mesh_matches_one_device(lm_runs, mesh):
+    want = _lm_outcome(lm_runs / "one_device")
+    got = _lm_outcome(lm_runs / mesh)
+    assert want[0].shape == (3, 2)  # three epochs, resumed or not
+    for got_part, want_part in zip(got, want, strict=True):
+        np.testing.assert_allclose(got_part, want_part, atol=TOLERANCE, rtol=0)
+    config = json.loads((lm_runs / mesh / "config.json").read_text())["config"]
+    assert config["mesh"] == mesh
 
 
 def test_two_processes_on_localhost_agree_with_one_device():

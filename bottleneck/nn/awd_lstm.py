@@ -32,9 +32,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from bottleneck.losses import chunked_cross_entropy, target_log_probs
-from bottleneck.nn.heads import MixtureHead, OutputHead, make_head, uniform_init
+from bottleneck.nn.heads import (
+    MixtureHead,
+    OutputHead,
+    make_head,
+    padded_rows_init,
+    uniform_init,
+)
+from bottleneck.sharding import padded_vocab_size
 
 # The heads of `make_head` that are a `MixtureHead` (their decoder width is `latent_features`).
 MIXTURE_HEAD_NAMES = ("mos", "moss", "mos_plif")
@@ -250,63 +257,6 @@ def temporal_activation_regularization(
     return beta * jnp.sum(squares) / jnp.maximum(count, 1).astype(squares.dtype)
 
 
-def mixture_loss_with_latent_mask(
-    head: MixtureHead,
-    h: jax.Array,
-    labels: jax.Array,
-    latent_mask: jax.Array,
-    where: jax.Array | None = None,
-) -> jax.Array:
-    r"""``head.loss`` with the mixture latents multiplied by a dropout mask (Yang's ``dropoutl``).
-
-    Yang et al. apply locked dropout to the latents :math:`h_k = \tanh(W_k h + c_k)` of the
-    mixture of softmaxes. :class:`MixtureHead` computes its latents inside the chunked loss,
-    so the mask travels with the hidden states: ``[h, mask]`` is chunked as one array and split
-    again per chunk; everything else is the head's own computation through its public methods.
-    Memory stays bounded as in :meth:`MixtureHead.loss`.
-
-    Args:
-      head: the mixture head.
-      h: ``[..., d]`` hidden states.
-      labels: ``[...]`` integer targets.
-      latent_mask: ``[..., K * d']`` (or broadcastable to it) multiplicative mask, e.g. a locked
-        dropout mask ``[1, B, K * d']`` for ``h [T, B, d]``.
-      where: optional ``[...]`` boolean mask of the positions that count.
-
-    Returns:
-      Scalar mean NLL.
-    """
-    if getattr(head, "mesh", None) is not None:
-        raise ValueError("mixture_loss_with_latent_mask supports single-device heads (mesh=None)")
-    features = head.in_features
-    mask_features = head.num_components * head.latent_features
-    if jnp.ndim(h) < 1 or h.shape[-1] != features:
-        raise ValueError(f"h must have shape [..., {features}], got {jnp.shape(h)}")
-    mask = jnp.broadcast_to(latent_mask, (*h.shape[:-1], mask_features)).astype(h.dtype)
-    graphdef, state = nnx.split(head)
-
-    def token_log_probs(state: nnx.State, h_and_mask: jax.Array, labels: jax.Array) -> jax.Array:
-        head = nnx.merge(graphdef, state)
-        h, mask = h_and_mask[..., :features], h_and_mask[..., features:]
-        latent, log_prior = head.components(h)
-        latent = latent * mask.reshape(latent.shape)
-        scores = head.log_scores(head.logits(latent))
-        per_component = target_log_probs(
-            scores, jnp.broadcast_to(labels[..., None], scores.shape[:-1])
-        )
-        return jax.nn.logsumexp(per_component + log_prior.astype(jnp.float32), axis=-1)
-
-    return chunked_cross_entropy(
-        token_log_probs,
-        state,
-        jnp.concatenate([h, mask], axis=-1),
-        labels,
-        where,
-        elements_per_token=head.elements_per_token,
-        memory_budget=head.memory_budget,
-    )
-
-
 # ----------------------------------------------------------------------------------------------
 # Modules
 
@@ -427,6 +377,11 @@ class AWDLSTM(nnx.Module):
       tie_weights: share the embedding table with the head's decoder.
       unroll: :func:`jax.lax.scan` unroll factor of the LSTM time loop.
       rngs: NNX random streams (``params``) for the initialisation.
+      mesh: optional ``("data", "vocab")`` mesh (:func:`bottleneck.sharding.make_mesh`): the
+        head runs data- and vocabulary-parallel, the (tied) embedding table is split by
+        vocabulary like its decoder; shard the batch axis ``B`` on ``data`` and place the
+        model with :func:`bottleneck.sharding.shard_model`. The parameters start the same as
+        without a mesh (padding rows of the tables are zero and never used).
       head_options: passed to :func:`bottleneck.nn.make_head` (``num_components``,
         ``num_knots``, ...).
     """
@@ -449,6 +404,7 @@ class AWDLSTM(nnx.Module):
         tie_weights: bool = True,
         unroll: int = 1,
         rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
         **head_options: Any,
     ):
         nhidlast = emsize if nhidlast is None else nhidlast
@@ -489,7 +445,12 @@ class AWDLSTM(nnx.Module):
         self.dropout, self.dropouth, self.dropouti = dropout, dropouth, dropouti
         self.dropoute, self.wdrop, self.dropoutl = dropoute, wdrop, dropoutl
         self.unroll = unroll
-        self.embedding = nnx.Embed(vocab_size, emsize, embedding_init=uniform_init(0.1), rngs=rngs)
+        self.embedding = nnx.Embed(
+            padded_vocab_size(vocab_size, mesh),
+            emsize,
+            embedding_init=padded_rows_init(uniform_init(0.1), vocab_size),
+            rngs=rngs,
+        )
         sizes = [emsize] + [nhid] * (nlayers - 1) + [nhidlast]
         self.layers = nnx.List(
             [LSTMLayer(sizes[i], sizes[i + 1], rngs=rngs) for i in range(nlayers)]
@@ -498,7 +459,9 @@ class AWDLSTM(nnx.Module):
             head_options = {"latent_features": emsize, **head_options}
         if tie_weights:
             head_options = {"tied_embedding": self.embedding, **head_options}
-        self.head: OutputHead = make_head(head, nhidlast, vocab_size, rngs=rngs, **head_options)
+        self.head: OutputHead = make_head(
+            head, nhidlast, vocab_size, rngs=rngs, mesh=mesh, **head_options
+        )
 
     def initial_carry(self, batch_size: int) -> Carry:
         """Zero state of every layer for ``batch_size`` sequences."""
@@ -524,6 +487,9 @@ class AWDLSTM(nnx.Module):
             latent_size = self.head.num_components * self.head.latent_features
             specs.append(((1, batch_size, latent_size), self.dropoutl))
         masks = inverted_dropout_masks(key, specs)
+        rows = self.embedding.num_embeddings
+        if masks[0] is not None and rows > self.vocab_size:  # a mesh's padding rows: never used
+            masks[0] = jnp.pad(masks[0], (0, rows - self.vocab_size), constant_values=1.0)
         hidden = masks[3 : 3 + self.nlayers - 1]
         weights = masks[3 + self.nlayers - 1 : 3 + 2 * self.nlayers - 1]
         latent = masks[-1] if isinstance(self.head, MixtureHead) else None
@@ -577,6 +543,35 @@ class AWDLSTM(nnx.Module):
         out = self.rnn(tokens, carry, length=length)
         return self.head(out.output), out.carry
 
+    def nll(
+        self,
+        output: jax.Array,
+        targets: jax.Array,
+        where: jax.Array | None = None,
+        latent_mask: jax.Array | None = None,
+    ) -> jax.Array:
+        """The head's mean NLL of ``targets [T, B]`` given the RNN's ``output [T, B, F]``.
+
+        The head gets its tokens batch-major (``[B, T]``) so that, with the batch axis sharded
+        on ``data``, each device's tokens form one contiguous block and nothing moves.
+
+        Args:
+          output: :attr:`RNNOutput.output`.
+          targets: ``[T, B]`` next-token ids.
+          where: optional ``[T, B]`` mask of the positions that count.
+          latent_mask: a mixture head's latent dropout mask ``[1, B, K * d']``.
+        """
+
+        def batch_major(x: jax.Array | None) -> jax.Array | None:
+            return None if x is None else jnp.swapaxes(x, 0, 1)
+
+        return self.head.loss(
+            batch_major(output),
+            batch_major(targets),
+            batch_major(where),
+            latent_mask=batch_major(latent_mask),
+        )
+
     def objective(
         self,
         tokens: jax.Array,
@@ -609,11 +604,7 @@ class AWDLSTM(nnx.Module):
         where = None
         if length is not None:
             where = jnp.broadcast_to(time_mask(tokens.shape[0], length)[:, None], tokens.shape)
-        if masks is not None and masks.latent is not None:
-            assert isinstance(self.head, MixtureHead)  # only mixture heads get a latent mask
-            nll = mixture_loss_with_latent_mask(self.head, out.output, targets, masks.latent, where)
-        else:
-            nll = self.head.loss(out.output, targets, where)
+        nll = self.nll(out.output, targets, where, None if masks is None else masks.latent)
         ar = activation_regularization(out.output, alpha, length)
         tar = temporal_activation_regularization(out.raw_output, beta, length)
         return nll + ar + tar, ObjectiveAux(nll, ar, tar, out.carry)

@@ -48,7 +48,11 @@ def _rebuild(name: str, leaves: Mapping[str, Any], template: Any) -> Any:
                 f"checkpoint item {name!r}, array {i}: saved {value.dtype}{list(value.shape)}, "
                 f"expected {np.asarray(expected).dtype}{list(np.shape(expected))}"
             )
-        restored.append(jax.numpy.asarray(value))
+        # Back where the template lives (a mesh's shardings included).
+        sharding = getattr(expected, "sharding", None)
+        restored.append(
+            jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)
+        )
     return jax.tree.unflatten(treedef, restored)
 
 

@@ -29,9 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from bottleneck.data.batching import BpttWindow, fixed_windows
 from bottleneck.nn.awd_lstm import AWDLSTM, Carry, time_mask
+from bottleneck.sharding import DATA, axis_size, replicate, shard_batch
 from bottleneck.train import dynamic_eval
 from bottleneck.train.nt_asgd import update_average
 
@@ -177,6 +179,10 @@ class LanguageModelTrainer:
         and weight decay). Its updates are scaled by ``lr_scale`` each step.
       alpha, beta: AR and TAR scales.
       seed: dropout keys are ``fold_in(split(key(seed))[1], step)``.
+      mesh: the ``("data", "vocab")`` mesh the model was built for and placed on
+        (:func:`bottleneck.sharding.shard_model`): windows and recurrent states are sharded on
+        ``data`` along their batch axis (replicated when the batch does not divide, e.g. a
+        test batch of 1), and every step keeps the state's shardings.
     """
 
     def __init__(
@@ -187,7 +193,9 @@ class LanguageModelTrainer:
         alpha: float = 0.0,
         beta: float = 0.0,
         seed: int = 0,
+        mesh: Mesh | None = None,
     ):
+        self.mesh = mesh
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if jax.tree.leaves(rest):
             raise ValueError("model must hold only nnx.Param state (no batch stats, no RNG state)")
@@ -201,6 +209,13 @@ class LanguageModelTrainer:
             num_averaged=jnp.zeros((), jnp.int32),
             step=jnp.zeros((), jnp.int32),
         )
+        state_shardings = None
+        if mesh is not None:  # scalars and optimizer counters live replicated on the mesh
+            self.state = jax.tree.map(
+                lambda x: x if isinstance(x.sharding, NamedSharding) else replicate(x, mesh),
+                self.state,
+            )
+            state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         # Not key(seed) itself: nnx.Rngs(seed) folds its counter into that key for the
         # initialisation, and the dropout keys must not repeat those draws.
         base_key = jax.random.split(jax.random.key(seed))[1]
@@ -239,13 +254,15 @@ class LanguageModelTrainer:
             )
             num_averaged = state.num_averaged + averaging.astype(jnp.int32)
             new_state = LMTrainState(params, opt_state, average, num_averaged, state.step + 1)
+            if state_shardings is not None:  # same layout every step: no drift, no recompiles
+                new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
             return new_state, aux.carry, StepMetrics(loss, aux.nll, aux.ar, aux.tar)
 
         def eval_step(params: Any, carry: Carry, window: Window) -> tuple[jax.Array, Carry]:
             model = nnx.merge(graphdef, params)
             out = model.rnn(window.inputs, carry, length=window.length)
             where = _real_positions(window)
-            nll = model.head.loss(out.output, window.targets, where)
+            nll = model.nll(out.output, window.targets, where)
             return nll * jnp.sum(where).astype(nll.dtype), out.carry
 
         def log_probs_step(
@@ -268,7 +285,22 @@ class LanguageModelTrainer:
         return nnx.merge(self.graphdef, self.state.params)
 
     def initial_carry(self, batch_size: int) -> Carry:
-        return self.model.initial_carry(batch_size)
+        return self._place(self.model.initial_carry(batch_size), batch_axis=0)
+
+    def _place(self, tree: Any, batch_axis: int) -> Any:
+        """On a mesh: arrays sharded on ``data`` along ``batch_axis`` if it divides, else replicated."""
+        if self.mesh is None:
+            return tree
+
+        def place(x: Any) -> Any:
+            if (
+                np.ndim(x) > batch_axis
+                and np.shape(x)[batch_axis] % axis_size(self.mesh, DATA) == 0
+            ):
+                return shard_batch(x, self.mesh, axis=batch_axis)
+            return replicate(x, self.mesh)
+
+        return jax.tree.map(place, tree)
 
     def train_step(
         self, carry: Carry, window: Window, lr_scale: float, *, averaging: bool
@@ -282,7 +314,11 @@ class LanguageModelTrainer:
           averaging: NT-ASGD has switched: fold the new iterate into the average.
         """
         self.state, carry, metrics = self._train_step(
-            self.state, carry, window, jnp.float32(lr_scale), jnp.bool_(averaging)
+            self.state,
+            carry,
+            self._place(window, batch_axis=1),
+            jnp.float32(lr_scale),
+            jnp.bool_(averaging),
         )
         return carry, metrics
 
@@ -307,7 +343,9 @@ class LanguageModelTrainer:
         """
         carry = self.initial_carry(batched.shape[1])
         total, tokens = jnp.zeros((), jnp.float32), 0
-        for window in eval_windows(batched, seq_len):
+        for window in map(
+            functools.partial(self._place, batch_axis=1), eval_windows(batched, seq_len)
+        ):
             if writer is not None and not writer.full:
                 log_probs, nll_sum, carry = self._log_probs_step(params, carry, window)
                 rows = int(window.length) * batched.shape[1]
@@ -354,7 +392,7 @@ class LanguageModelTrainer:
             stats = dynamic_eval.collect_gradient_statistics(
                 self._segment_grad,
                 params,
-                train_windows,
+                map(functools.partial(self._place, batch_axis=1), train_windows),
                 self.initial_carry(stats_batch_size),
                 lamb=lamb,
                 style=style,
@@ -364,7 +402,7 @@ class LanguageModelTrainer:
         nll, _ = dynamic_eval.dynamic_evaluate(
             self._segment_grad,
             params,
-            eval_windows(eval_batched, segment),
+            map(functools.partial(self._place, batch_axis=1), eval_windows(eval_batched, segment)),
             self.initial_carry(eval_batched.shape[1]),
             stats,
             lr=lr,
@@ -391,7 +429,7 @@ def _segment_grad(
         model = nnx.merge(graphdef, params)
         out = model.rnn(window.inputs, carry, length=window.length)
         where = _real_positions(window)
-        nll = model.head.loss(out.output, window.targets, where)
+        nll = model.nll(out.output, window.targets, where)
         return nll, (jnp.sum(where), out.carry)
 
     (nll, (count, carry)), grads = jax.value_and_grad(mean_nll, has_aux=True)(params)

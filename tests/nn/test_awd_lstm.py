@@ -19,7 +19,6 @@ from bottleneck.nn.awd_lstm import (
     embed,
     inverted_dropout_masks,
     locked_dropout,
-    mixture_loss_with_latent_mask,
 )
 
 V, E, H, T, B = 30, 6, 10, 7, 3
@@ -192,26 +191,6 @@ def test_tied_embedding_is_one_shared_parameter(name, head, request):
     params["embedding"]["embedding"] = nnx.Param(params["embedding"]["embedding"][...] + 1.0)
     merged = nnx.merge(graphdef, params)
     np.testing.assert_allclose(merged.head.decoder[...], model.embedding.embedding[...] + 1.0)
-
-
-def test_mixture_latent_dropout_matches_a_plain_computation():
-    head = nn.make_head("mos", 8, V, rngs=nnx.Rngs(0), num_components=3, latent_features=E)
-    h = jax.random.normal(jax.random.key(0), (T, B, 8))
-    y = tokens()
-    masked_loss = nnx.jit(mixture_loss_with_latent_mask)
-
-    @jax.jit
-    def plain(mask):
-        latent, log_prior = head.components(h)
-        latent = latent * mask.reshape(1, B, 3, E)
-        log_probs = bn.mixture_log_probs(bn.log_softmax(head.logits(latent)), log_prior)
-        return bn.cross_entropy(log_probs, y)
-
-    ones = jnp.ones((1, B, 3 * E))
-    np.testing.assert_allclose(plain(ones), bn.cross_entropy(nnx.jit(head)(h), y), rtol=1e-5)
-    mask = inverted_dropout_masks(jax.random.key(1), [((1, B, 3 * E), 0.4)])[0]
-    for m in (ones, mask):
-        np.testing.assert_allclose(masked_loss(head, h, y, m), plain(m), rtol=1e-5)
 
 
 def test_mixture_head_names_are_the_mixture_heads():
