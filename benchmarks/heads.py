@@ -187,7 +187,9 @@ def bench_ptb(
     for name in names:
         progress.set_postfix_str(f"ptb {name}")
         head = make_head(name, PTB, memory_budget)
-        chunk = chunk_size_for_budget(PTB.tokens, head.elements_per_token, memory_budget)
+        chunk = chunk_size_for_budget(
+            PTB.tokens, head.elements_per_token, memory_budget, head.buffers_per_element
+        )
         outputs: dict[str, Any] = {}
         loss_grad, state = head_loss_grad(head)
         calls = {
@@ -264,7 +266,9 @@ def bench_wt2_memory(
         executables[name] = (compiled, state)
         naive_loss_grad, _ = head_loss_grad(head, naive=True)
         _, naive_temp = compiled_temp_bytes(naive_loss_grad, state, h_spec, labels_spec)
-        chunk = chunk_size_for_budget(WT2.tokens, head.elements_per_token, memory_budget)
+        chunk = chunk_size_for_budget(
+            WT2.tokens, head.elements_per_token, memory_budget, head.buffers_per_element
+        )
         table[name] = {
             "temp_bytes": temp,
             "fraction_of_full_logits": temp / full,

@@ -188,6 +188,7 @@ def memory_case(name: str, layout: str, dump_dir: Path | None, seen: set[Path]) 
         local_tokens,
         -(-head.elements_per_token // sizes[VOCAB]),
         DEFAULT_MEMORY_BUDGET // mesh.size,
+        head.buffers_per_element,
     )
     result = {
         "layout": layout,

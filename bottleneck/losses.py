@@ -104,18 +104,22 @@ def target_log_probs(
     return picked - row_max - jnp.log(sum_exp)
 
 
-# Live float32 [tokens, elements_per_token] buffers that the value-and-gradient of one chunk
-# keeps at its peak (scores, their exponentials, the gradient); measured with
-# compiled.memory_analysis() for every head in tests/nn/test_heads.py.
-_LIVE_BUFFERS_PER_ELEMENT = 4
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
 
 
-def chunk_size_for_budget(num_tokens: int, elements_per_token: int, memory_budget: int) -> int:
-    """Tokens per chunk so that one chunk's float32 work stays within ``memory_budget`` bytes."""
+def chunk_size_for_budget(
+    num_tokens: int, elements_per_token: int, memory_budget: int, buffers_per_element: float = 4.0
+) -> int:
+    """Tokens per chunk so that one chunk's float32 work stays within ``memory_budget`` bytes.
+
+    One chunk of ``C`` tokens holds ``buffers_per_element`` float32 buffers of
+    ``[C, elements_per_token]`` at its peak (logits, their exponentials, the gradient, ...).
+    """
     if memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
-    bytes_per_token = 4 * _LIVE_BUFFERS_PER_ELEMENT * max(elements_per_token, 1)
+    if buffers_per_element <= 0:
+        raise ValueError(f"buffers_per_element must be > 0, got {buffers_per_element}")
+    bytes_per_token = 4 * buffers_per_element * max(elements_per_token, 1)
     return int(min(max(memory_budget // bytes_per_token, 1), max(num_tokens, 1)))
 
 
@@ -128,6 +132,7 @@ def chunked_cross_entropy(
     *,
     elements_per_token: int,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    buffers_per_element: float = 4.0,
     token_constants: Any = None,
     data_axis: str | None = None,
 ) -> jax.Array:
@@ -168,6 +173,8 @@ def chunked_cross_entropy(
       elements_per_token: size of the per-token intermediate (``M``, ``K * M`` for a mixture;
         this shard's columns when the vocabulary is split).
       memory_budget: bytes one chunk may use (on this device).
+      buffers_per_element: float32 buffers of ``[C, elements_per_token]`` one chunk's value and
+        gradient keep live at once (see :func:`chunk_size_for_budget`; each head states its own).
       token_constants: optional pytree of per-token arrays ``[..., ...]`` (leading shape that of
         ``labels``) chunked alongside ``hidden`` but not differentiated, e.g. dropout masks.
       data_axis: inside ``shard_map``, the mesh axis the tokens are split over.
@@ -210,7 +217,9 @@ def chunked_cross_entropy(
     if data_axis is not None:
         count = jax.lax.psum(count, data_axis)
     weights = mask.astype(jnp.float32) / jnp.maximum(count, 1.0)
-    chunk = chunk_size_for_budget(num_tokens, elements_per_token, memory_budget)
+    chunk = chunk_size_for_budget(
+        num_tokens, elements_per_token, memory_budget, buffers_per_element
+    )
     if num_tokens == 0:  # one zero-weight token keeps the shapes valid
         pad = lambda x: jnp.pad(x, [(0, 1)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
         hidden_flat, labels_flat, weights = pad(hidden_flat), pad(labels_flat), pad(weights)

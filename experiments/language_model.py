@@ -35,6 +35,13 @@ perplexity, seconds, tokens/s; a final "test" line), results.json, log_probs/blo
 log-probabilities [T_i, M], float32, one row per test token in evaluation order: window, time
 step, sequence), log_prob_targets.npy (the row's target ids) and checkpoints/.
 Set JAX_COMPILATION_CACHE_DIR to reuse compiled steps across runs.
+
+Many devices. ``--mesh data=4,vocab=2`` (default: every device on ``data``) shards the batch
+(``--batch_size`` must divide) and splits the head's decoder, the tied embedding and the
+normalizers over ``vocab`` (:mod:`bottleneck.sharding`); results equal one device's to float32
+round-off (tests/test_sharding.py). The script runs in one process (all its local devices);
+multi-host runs need the library's :func:`bottleneck.sharding.initialize_distributed` path and
+host-local checkpointing, which this script does not do.
 """
 
 from __future__ import annotations

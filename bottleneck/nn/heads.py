@@ -145,6 +145,12 @@ class OutputHead(nnx.Module):
         """Size of one token's largest intermediate, for :meth:`loss`'s chunk sizing."""
         return self.num_components * self.vocab_size
 
+    # Float32 buffers of [chunk, elements_per_token] live at the peak of one chunk's value and
+    # gradient, measured with compiled.memory_analysis() on XLA:CPU (tests/nn/test_heads.py
+    # checks that a chunk stays within memory_budget): softmax keeps the logits and their
+    # gradient; normalizers with a log-sigmoid add one; PLIF's gather/scatter several.
+    buffers_per_element: float = 2.0
+
     def logits(self, x: jax.Array) -> jax.Array:
         """``W x + b``: ``[..., decoder_features] -> [..., M]``, accumulated in float32."""
         z = jnp.einsum("...d,md->...m", x, self.decoder[...], preferred_element_type=jnp.float32)
@@ -327,6 +333,7 @@ class OutputHead(nnx.Module):
                 # hold one chunk of the given budget, as on one device).
                 elements_per_token=-(-self.elements_per_token // axis_size(self.mesh, VOCAB)),
                 memory_budget=max(self.memory_budget // devices, 1),
+                buffers_per_element=self.buffers_per_element,
                 data_axis=data_axis,
             )
 
@@ -359,6 +366,8 @@ class SoftmaxHead(OutputHead):
 class SigsoftmaxHead(OutputHead):
     """``log_sigsoftmax(W h + b)`` (Kanai et al. 2018, eq. 11)."""
 
+    buffers_per_element = 3.0
+
     def log_scores(self, z: jax.Array) -> jax.Array:
         return sigsoftmax_log_scores(z)
 
@@ -366,12 +375,16 @@ class SigsoftmaxHead(OutputHead):
 class SigmoidHead(OutputHead):
     """Kanai's sigmoid-based normalizer ``sigma(z_i) / sum_m sigma(z_m)`` (eq. 35)."""
 
+    buffers_per_element = 3.0
+
     def log_scores(self, z: jax.Array) -> jax.Array:
         return sigmoid_log_scores(z)
 
 
 class ReLUHead(OutputHead):
     """Kanai's ReLU-based normalizer ``(relu(z_i) + eps) / sum_m (relu(z_m) + eps)`` (eq. 34)."""
+
+    buffers_per_element = 3.0
 
     def __init__(
         self, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, eps: float = 1e-8, **options
@@ -393,6 +406,8 @@ class PLIFHead(OutputHead):
       (others as :class:`OutputHead`.) The slopes are the parameter ``raw_slopes``; give
       them their own learning rate with :func:`param_labels`.
     """
+
+    buffers_per_element = 7.5
 
     def __init__(
         self,
@@ -433,11 +448,15 @@ class MonotoneMLPHead(OutputHead):
     def elements_per_token(self) -> int:
         return self.vocab_size * self.num_hidden
 
+    buffers_per_element = 4.5
+
     def log_scores(self, z: jax.Array) -> jax.Array:
         return monotone_mlp(z, {k: v[...] for k, v in self.monotone.items()})
 
 
 _MIXTURE_NORMALIZERS = ("softmax", "sigsoftmax", "plif")
+# buffers_per_element of a mixture by its normalizer: as the single-component heads.
+_NORMALIZER_BUFFERS = {"softmax": 2.0, "sigsoftmax": 3.0, "plif": 7.5}
 
 
 class MixtureHead(OutputHead):
@@ -501,6 +520,10 @@ class MixtureHead(OutputHead):
     @property
     def num_components(self) -> int:
         return self._num_components
+
+    @property
+    def buffers_per_element(self) -> float:
+        return _NORMALIZER_BUFFERS[self.normalizer]
 
     def log_scores(self, z: jax.Array) -> jax.Array:
         if self.normalizer == "sigsoftmax":

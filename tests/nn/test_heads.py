@@ -98,9 +98,10 @@ def test_latent_mask_needs_a_mixture_head_and_a_matching_shape():
         make("mos").loss(h, labels, latent_mask=jnp.ones((1, 11, 5)))
 
 
-def test_budget_splits_into_chunks_with_padding():
+def test_chunk_size_for_budget():
     assert chunk_size_for_budget(33, M, 2**30) == 33
-    assert chunk_size_for_budget(33, M, 10_000) == 9  # 10_000 // (16 * 64): 4 chunks, 3 padded
+    assert chunk_size_for_budget(33, M, 10_000) == 9  # 10_000 // (16 * 64): 4 chunks, 1 overlapping
+    assert chunk_size_for_budget(33, M, 10_000, buffers_per_element=2) == 19
     assert chunk_size_for_budget(33, 3 * M, 10_000) == 3  # a K = 3 mixture: 11 chunks
     with pytest.raises(ValueError, match="memory_budget must be a positive"):
         chunk_size_for_budget(33, M, 0)
@@ -253,7 +254,8 @@ def test_plif_slopes_get_their_own_learning_rate():
 def test_memory_bound_at_scale_for_every_head():
     """Compiled temporaries of value_and_grad(loss) at N=4096, d=256, M=32768 stay below 1/4 of
     the full float32 logits (512 MiB) for every head, mixtures (K=4) included; a naive head needs
-    about three times the full logits."""
+    about three times the full logits. Raising memory_budget by B raises them by 0.5 B to 1.1 B:
+    each head's buffers_per_element is neither too small nor wastefully large."""
     num_tokens, dim, vocab = 4096, 256, 32768
     full_logits_bytes = num_tokens * vocab * 4
     h = jax.ShapeDtypeStruct((num_tokens, dim), jnp.float32)
@@ -265,19 +267,28 @@ def test_memory_bound_at_scale_for_every_head():
         "moss": {"num_components": 4},
         "mos_plif": {"num_components": 4, "num_knots": 100_000},
     }
-    temps = {}
+    default, large = nn.OutputHead(dim, vocab, rngs=nnx.Rngs(0)).memory_budget, 128 * 2**20
+    temps, marginal = {}, {}
     for name in nn.HEAD_NAMES:
-        head = nn.make_head(name, dim, vocab, rngs=nnx.Rngs(0), **options.get(name, {}))
-        graphdef, state = nnx.split(head)
+        temp = {}
+        for memory_budget in (default, large, 2 * large):
+            head = nn.make_head(
+                name, dim, vocab, rngs=nnx.Rngs(0), memory_budget=memory_budget,
+                **options.get(name, {}),
+            )  # fmt: skip
+            graphdef, state = nnx.split(head)
 
-        def loss(state, h, labels, graphdef=graphdef):
-            return nnx.merge(graphdef, state).loss(h, labels)
+            def loss(state, h, labels, graphdef=graphdef):
+                return nnx.merge(graphdef, state).loss(h, labels)
 
-        compiled = (
-            jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, h, labels).compile()
-        )
-        temps[name] = compiled.memory_analysis().temp_size_in_bytes
+            compiled = (
+                jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, h, labels).compile()
+            )
+            temp[memory_budget] = compiled.memory_analysis().temp_size_in_bytes
+        temps[name] = temp[default]
+        marginal[name] = (temp[2 * large] - temp[large]) / large
     assert all(temp < full_logits_bytes / 4 for temp in temps.values()), temps
+    assert all(0.5 <= share <= 1.1 for share in marginal.values()), marginal
 
     graphdef, state = nnx.split(nn.SoftmaxHead(dim, vocab, rngs=nnx.Rngs(0)))
     naive = jax.jit(
