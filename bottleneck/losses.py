@@ -114,13 +114,17 @@ def chunk_size_for_budget(
 
     One chunk of ``C`` tokens holds ``buffers_per_element`` float32 buffers of
     ``[C, elements_per_token]`` at its peak (logits, their exponentials, the gradient, ...).
+    The chunks are then evened out (``ceil(num_tokens / num_chunks)`` each), so that the last
+    one, which overlaps its predecessor, repeats fewer than ``num_chunks`` tokens.
     """
     if memory_budget <= 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
     if buffers_per_element <= 0:
         raise ValueError(f"buffers_per_element must be > 0, got {buffers_per_element}")
     bytes_per_token = 4 * buffers_per_element * max(elements_per_token, 1)
-    return int(min(max(memory_budget // bytes_per_token, 1), max(num_tokens, 1)))
+    largest = int(min(max(memory_budget // bytes_per_token, 1), max(num_tokens, 1)))
+    num_chunks = -(-max(num_tokens, 1) // largest)
+    return -(-max(num_tokens, 1) // num_chunks)
 
 
 def chunked_cross_entropy(

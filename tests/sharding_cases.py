@@ -119,6 +119,16 @@ def synthetic_case(mesh_spec: str) -> float:
     return _max_deviation(train(make_mesh(mesh_spec)), train(None))
 
 
+def bad_shapes_case() -> float:
+    """A sharded head refuses labels that do not match h (0.0: it did, with a clear message)."""
+    head = nn.make_head("softmax", DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), mesh=make_mesh("data=8"))
+    try:
+        head.loss(jnp.zeros((TOKENS, DIM)), jnp.zeros((TOKENS + 1,), jnp.int32))
+    except ValueError as err:
+        return 0.0 if "labels and where must have shape (40,)" in str(err) else 1.0
+    return 1.0
+
+
 def main() -> None:
     assert jax.device_count() == 8, f"run with 8 fake devices, got {jax.device_count()}"
     results = {}
@@ -127,6 +137,7 @@ def main() -> None:
             results[f"head:{name}:{mesh_spec}"] = head_case(name, mesh_spec, 2**30)
         results[f"head:mos_plif:{mesh_spec}:chunked"] = head_case("mos_plif", mesh_spec, 2_000)
         results[f"synthetic:{mesh_spec}"] = synthetic_case(mesh_spec)
+    results["errors:bad_shapes"] = bad_shapes_case()
     json.dump(results, sys.stdout)
 
 

@@ -339,6 +339,13 @@ class OutputHead(nnx.Module):
 
         if self.mesh is None:
             return local_loss(state, h, labels, where, constants)
+        if jnp.shape(labels) != h.shape[:-1] or (
+            where is not None and jnp.shape(where) != h.shape[:-1]
+        ):
+            raise ValueError(
+                f"labels and where must have shape {h.shape[:-1]} (h {h.shape} without its "
+                f"feature axis), got {jnp.shape(labels)} and {jnp.shape(where)}"
+            )
         # Tokens in contiguous blocks per data shard: [T, B] inputs sharded on B should be
         # passed batch-major ([B, T]) so that this reshape moves no data.
         num_tokens, token_dims = labels.size, labels.ndim

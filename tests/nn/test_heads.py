@@ -101,7 +101,9 @@ def test_latent_mask_needs_a_mixture_head_and_a_matching_shape():
 def test_chunk_size_for_budget():
     assert chunk_size_for_budget(33, M, 2**30) == 33
     assert chunk_size_for_budget(33, M, 10_000) == 9  # 10_000 // (16 * 64): 4 chunks, 1 overlapping
-    assert chunk_size_for_budget(33, M, 10_000, buffers_per_element=2) == 19
+    # 19 tokens fit, so 2 chunks, evened out to 17 (the second repeats one token, not five)
+    assert chunk_size_for_budget(33, M, 10_000, buffers_per_element=2) == 17
+    assert chunk_size_for_budget(1400, 10_000, 32 * 2**20, buffers_per_element=2) == 350
     assert chunk_size_for_budget(33, 3 * M, 10_000) == 3  # a K = 3 mixture: 11 chunks
     with pytest.raises(ValueError, match="memory_budget must be a positive"):
         chunk_size_for_budget(33, M, 0)
