@@ -71,7 +71,7 @@ from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.awd_lstm import AWDLSTM, MIXTURE_HEAD_NAMES
 from bottleneck.sharding import DATA, mesh_from_flag, parse_mesh_spec, shard_model
 from bottleneck.train import make_optimizer, open_run, parse_config, print_table, progress
-from bottleneck.train.checkpoint import CheckpointStore, StopSignals
+from bottleneck.train.checkpoint import CheckpointStore, RunFolderBusy, RunLock, StopSignals
 from bottleneck.train.dynamic_eval import STYLES
 from bottleneck.train.experiment import RunDir, to_jsonable
 from bottleneck.train.lm import (
@@ -760,9 +760,14 @@ class Ticker:
 
 def run_experiment(config: Config) -> dict[str, Any]:
     """Trains (or resumes, or finetunes) and evaluates; returns the results."""
-    corpus = load_data(config)
     root = Path(config.out_dir)
-    with CheckpointStore(root / "checkpoints") as store, StopSignals() as stop:
+    lock = RunLock(root)  # one process per run folder: no two runs share checkpoints
+    try:
+        lock.acquire()
+    except RunFolderBusy as err:
+        raise UsageError(str(err)) from None
+    with lock, CheckpointStore(root / "checkpoints") as store, StopSignals() as stop:
+        corpus = load_data(config)
         resuming = store.latest_step() is not None
         if resuming:
             check_resumable(root, config)

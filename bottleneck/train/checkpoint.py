@@ -9,6 +9,9 @@ reported with a clear message instead of a deep Orbax error.
 :class:`StopSignals` turns the first SIGINT/SIGTERM into a flag that a training loop polls
 between steps, so that it can save and exit with status ``128 + signal`` (the shell convention);
 a second signal interrupts at once.
+
+:class:`RunLock` gives one process at a time a run folder, so that two runs started with the
+same output folder cannot write into, or resume from, each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -178,3 +181,72 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+class RunFolderBusy(RuntimeError):
+    """Another live process holds the run folder (see :class:`RunLock`)."""
+
+
+class RunLock:
+    """Context manager: exclusive use of ``directory`` by this process (``directory/.lock``).
+
+    The lock file holds the owner's pid. A lock whose process is gone (killed with SIGKILL,
+    a crashed machine) is stale and taken over; one held by a live process raises
+    :class:`RunFolderBusy`. For processes on one machine (pids are local).
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / ".lock"
+        self.held = False
+
+    def acquire(self) -> None:
+        """Takes the folder (a no-op when already held); :class:`RunFolderBusy` if in use."""
+        if self.held:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                owner = _lock_owner(self.path)
+                if owner is not None and _is_alive(owner):
+                    raise RunFolderBusy(
+                        f"{self.path.parent} is in use by process {owner}; wait for it, stop "
+                        f"it, or choose another folder (if {owner} is not a run, delete "
+                        f"{self.path})"
+                    ) from None
+                self.path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            self.held = True
+            return
+
+    def release(self) -> None:
+        if self.held and _lock_owner(self.path) == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _lock_owner(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

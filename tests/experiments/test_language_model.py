@@ -196,3 +196,12 @@ def test_resuming_with_other_flags_is_refused(smoke, capsys):
         language_model.main(["--preset", "smoke", "--out_dir", str(out), "--lr", "3.0"])
     assert exit_info.value.code == 2
     assert "different config (lr: 1.0 -> 3.0)" in capsys.readouterr().err
+
+
+def test_a_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
+    (tmp_path / ".lock").write_text(str(os.getppid()))  # a live process that is not us
+    with pytest.raises(SystemExit) as exit_info:
+        language_model.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"is in use by process {os.getppid()}" in capsys.readouterr().err
+    assert not (tmp_path / "checkpoints").exists()  # refused before touching anything

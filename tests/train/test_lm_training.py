@@ -2,6 +2,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 
 import chex
 import jax
@@ -13,7 +15,7 @@ from flax import nnx
 
 from bottleneck.data import BpttWindow
 from bottleneck.nn.awd_lstm import AWDLSTM
-from bottleneck.train.checkpoint import CheckpointStore, StopSignals
+from bottleneck.train.checkpoint import CheckpointStore, RunFolderBusy, RunLock, StopSignals
 from bottleneck.train.lm import LanguageModelTrainer, LogProbBlockWriter, pad_window, padded_length
 from bottleneck.train.nt_asgd import (
     NtAsgdStatus,
@@ -124,6 +126,21 @@ def test_stop_signals_turn_the_first_signal_into_a_flag():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested and stop.exit_code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_run_lock_is_exclusive_and_takes_over_stale_locks(tmp_path):
+    lock_file = tmp_path / ".lock"
+    with RunLock(tmp_path):
+        assert lock_file.read_text() == str(os.getpid())
+    assert not lock_file.exists()
+    lock_file.write_text(str(os.getppid()))  # held by a live process
+    with pytest.raises(RunFolderBusy, match=f"in use by process {os.getppid()}"):
+        RunLock(tmp_path).acquire()
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    lock_file.write_text(finished.stdout.strip())  # its process is gone: stale
+    with RunLock(tmp_path):
+        assert lock_file.read_text() == str(os.getpid())
 
 
 def test_log_prob_blocks(tmp_path):
