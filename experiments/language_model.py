@@ -29,6 +29,8 @@ position in it, best model, validation history and the recurrent state; dropout 
 lengths are functions of (seed, epoch, step), so a resumed run continues as if never stopped.
 Flags that change the model or the training (anything but --epochs, data / output paths,
 --test_batch_size and the final-evaluation options) must stay the same; the run refuses otherwise.
+One process at a time may use an --out_dir (``out_dir/.lock``; a lock left by a killed run is
+taken over).
 
 Writes to --out_dir: config.json, metrics.jsonl (one line per epoch: train loss, validation
 perplexity, seconds, tokens/s; a final "test" line), results.json, log_probs/block_*.npy (test
