@@ -4,7 +4,7 @@ Data parallelism shards the token (batch) axis on ``"data"``; vocabulary paralle
 output head's decoder ``W [M, d]`` and bias ``[M]`` on ``"vocab"`` and combines the shards'
 running maxima, normalizers and target scores with ``pmax``/``psum`` inside ``shard_map``
 (Megatron's vocab-parallel cross-entropy), for every head; see
-:meth:`bottleneck.nn.OutputHead.label_log_probs`. Everything else is replicated and XLA reduces
+:meth:`bottleneck.nn.OutputHead.loss`. Everything else is replicated and XLA reduces
 the gradients. Both axes are ``AxisType.Auto``: with jax >= 0.10 ``jax.make_mesh`` defaults to
 ``Explicit`` axes, under which a gather from a vocab-sharded table outside ``shard_map`` (the
 tied input embedding) raises ``ShardingTypeError``.
@@ -89,6 +89,20 @@ def mesh_from_flag(spec: str | None) -> Mesh | None:
     """
     mesh = make_mesh(spec or None)
     return mesh if mesh.size > 1 else None
+
+
+def require_data_divides(mesh_spec: str | None, name: str, size: int) -> None:
+    """``ValueError`` unless ``size`` (a batch, a set of contexts) splits evenly on ``data``.
+
+    ``mesh_spec`` is an experiment's ``--mesh`` flag (``""``: every device on ``data``); checked
+    against this process's devices, so a bad flag fails before any work starts.
+    """
+    shards = parse_mesh_spec(mesh_spec or None, jax.device_count())[DATA]
+    if size % shards:
+        raise ValueError(
+            f"{name} {size} must be a multiple of the mesh's data axis ({shards}); choose "
+            f"another --{name} or --mesh"
+        )
 
 
 def axis_size(mesh: Mesh | None, name: str) -> int:

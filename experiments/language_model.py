@@ -71,7 +71,7 @@ from bottleneck.data import CORPORA, batchify, bptt_windows, load_corpus
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.awd_lstm import AWDLSTM, MIXTURE_HEAD_NAMES
-from bottleneck.sharding import DATA, mesh_from_flag, parse_mesh_spec, shard_model
+from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_model
 from bottleneck.train import make_optimizer, open_run, parse_config, print_table, progress
 from bottleneck.train.checkpoint import CheckpointStore, RunFolderBusy, RunLock, StopSignals
 from bottleneck.train.dynamic_eval import STYLES
@@ -225,12 +225,7 @@ class Config:
             raise ValueError(
                 f"max_logprob_tokens must be >= 0 or none, got {self.max_logprob_tokens}"
             )
-        data_shards = parse_mesh_spec(self.mesh or None, jax.device_count())[DATA]
-        if self.batch_size % data_shards:
-            raise ValueError(
-                f"batch_size {self.batch_size} must be a multiple of the mesh's data axis "
-                f"({data_shards}); choose another --batch_size or --mesh"
-            )
+        require_data_divides(self.mesh, "batch_size", self.batch_size)
         if self.dynamic_eval_max_batches is not None and self.dynamic_eval_max_batches < 1:
             raise ValueError(
                 f"dynamic_eval_max_batches must be >= 1 or none, got {self.dynamic_eval_max_batches}"

@@ -31,7 +31,7 @@ from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy, synthetic_metrics
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.models import ContextEmbeddingModel
-from bottleneck.sharding import DATA, mesh_from_flag, parse_mesh_spec, shard_batch, shard_model
+from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_batch, shard_model
 from bottleneck.train import Trainer, make_optimizer, open_run, parse_config, print_table, progress
 
 matplotlib.use("Agg")
@@ -91,12 +91,7 @@ class Config:
             raise ValueError(f"num_outcomes must be >= 2, got {self.num_outcomes}")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        data_shards = parse_mesh_spec(self.mesh or None, jax.device_count())[DATA]
-        if self.num_contexts % data_shards:
-            raise ValueError(
-                f"num_contexts {self.num_contexts} must be a multiple of the mesh's data axis "
-                f"({data_shards}); choose another --num_contexts or --mesh"
-            )
+        require_data_divides(self.mesh, "num_contexts", self.num_contexts)
 
 
 PRESETS = {

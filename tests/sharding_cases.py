@@ -18,7 +18,7 @@ from flax import nnx
 from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy
 from bottleneck.nn.models import ContextEmbeddingModel
-from bottleneck.sharding import make_mesh, shard_batch, shard_model
+from bottleneck.sharding import make_mesh, require_data_divides, shard_batch, shard_model
 from bottleneck.train import Trainer, make_optimizer
 
 MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
@@ -53,31 +53,21 @@ def _loss_and_grads(head, h, labels, where):
 def head_case(name: str, mesh_spec: str, memory_budget: int) -> float:
     """Loss and gradients of a vocab/data-parallel head equal the single-device ones."""
     mesh = make_mesh(mesh_spec)
-    single = nn.make_head(
-        name,
-        DIM,
-        VOCAB_SIZE,
-        rngs=nnx.Rngs(0),
-        memory_budget=memory_budget,
-        **OPTIONS.get(name, {}),
-    )
-    sharded = nn.make_head(
-        name,
-        DIM,
-        VOCAB_SIZE,
-        rngs=nnx.Rngs(0),
-        memory_budget=memory_budget,
-        mesh=mesh,
-        **OPTIONS.get(name, {}),
-    )
-    rows = sharded.decoder.shape[0]
-    # Same parameters: the sharded head's extra (padding) rows are zero.
-    params = nnx.to_pure_dict(nnx.state(single))
-    for key in ("decoder", "bias"):
-        params[key] = jnp.pad(
-            params[key], [(0, rows - VOCAB_SIZE)] + [(0, 0)] * (params[key].ndim - 1)
-        )
-    nnx.update(sharded, params)
+
+    def make(**mesh_option):
+        return nn.make_head(
+            name, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), memory_budget=memory_budget,
+            **OPTIONS.get(name, {}), **mesh_option,
+        )  # fmt: skip
+
+    single, sharded = make(), make(mesh=mesh)
+    # A mesh changes no parameter: the decoder and bias only gain zero padding rows.
+    single_params = nnx.to_pure_dict(nnx.state(single))
+    for key, value in nnx.to_pure_dict(nnx.state(sharded)).items():
+        if key in ("decoder", "bias"):
+            assert not np.any(np.asarray(value[VOCAB_SIZE:])), f"padding rows of {key} are not 0"
+            value = value[:VOCAB_SIZE]
+        assert jax.tree.all(jax.tree.map(np.array_equal, value, single_params[key])), key
     shard_model(sharded, mesh)
 
     keys = jax.random.split(jax.random.key(1), 3)
@@ -91,10 +81,16 @@ def head_case(name: str, mesh_spec: str, memory_budget: int) -> float:
     for key in ("decoder", "bias"):
         assert not np.any(np.asarray(got_grads[key][VOCAB_SIZE:])), "padding rows got a gradient"
         got_grads[key] = got_grads[key][:VOCAB_SIZE]
+    # 37 tokens divide over no data axis: label_log_probs pads them.
+    label_log_probs = nnx.jit(lambda head, h, y: head.label_log_probs(h, y))
+    want_lp = label_log_probs(single, h[:37], labels[:37])
+    got_lp = label_log_probs(sharded, h[:37], labels[:37])
+    assert got_lp.shape == (37,)
     return max(
         abs(float(got_loss - want_loss)),
         _max_deviation(got_grads, want_grads),
         _max_deviation(got_h, want_h),
+        _max_deviation(got_lp, want_lp),
     )
 
 
@@ -129,6 +125,20 @@ def bad_shapes_case() -> float:
     return 1.0
 
 
+def data_divides_case() -> float:
+    """--mesh checks: 0.0 if a batch of 3 is refused on data=8 and one of 16 accepted."""
+    require_data_divides("data=2,vocab=4", "batch_size", 16)
+    try:
+        require_data_divides("", "batch_size", 3)
+    except ValueError as err:
+        return (
+            0.0
+            if "batch_size 3 must be a multiple of the mesh's data axis (8)" in str(err)
+            else 1.0
+        )
+    return 1.0
+
+
 def main() -> None:
     assert jax.device_count() == 8, f"run with 8 fake devices, got {jax.device_count()}"
     results = {}
@@ -138,6 +148,7 @@ def main() -> None:
         results[f"head:mos_plif:{mesh_spec}:chunked"] = head_case("mos_plif", mesh_spec, 2_000)
         results[f"synthetic:{mesh_spec}"] = synthetic_case(mesh_spec)
     results["errors:bad_shapes"] = bad_shapes_case()
+    results["errors:data_divides"] = data_divides_case()
     json.dump(results, sys.stdout)
 
 

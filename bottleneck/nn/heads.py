@@ -232,7 +232,7 @@ class OutputHead(nnx.Module):
     ) -> jax.Array:
         """``log p(labels | h)`` ``[...]`` for ``h [..., d]``, without normalizing into ``[..., M]``.
 
-        With a mesh it runs under ``shard_map``: tokens split on ``data`` (the leading axis),
+        With a mesh it runs under ``shard_map`` (:meth:`_on_mesh`): tokens split on ``data``,
         decoder columns on ``vocab``, and :func:`~bottleneck.losses.target_log_probs` combines
         the shards. ``latent_mask``: see :meth:`loss`.
         """
@@ -243,22 +243,53 @@ class OutputHead(nnx.Module):
         graphdef, state = nnx.split(self)
         vocab_axis = VOCAB if self.vocab_parallel else None
 
-        def local(state: nnx.State, h: jax.Array, labels: jax.Array, constants: Any) -> jax.Array:
+        def local(state, h, labels, where, constants):
             head = nnx.merge(graphdef, state)
             return head._shard_label_log_probs(h, labels, vocab_axis, constants)
 
-        token_spec = P(DATA, *([None] * (labels.ndim - 1)))
+        log_probs = self._on_mesh(local, state, h, labels, None, constants, out_specs=P(DATA))
+        return log_probs[: labels.size].reshape(labels.shape)
+
+    def _on_mesh(
+        self,
+        local: Callable[..., jax.Array],
+        state: nnx.State,
+        h: jax.Array,
+        labels: jax.Array,
+        where: jax.Array | None,
+        constants: jax.Array | None,
+        out_specs: P,
+    ) -> jax.Array:
+        """``local(state, h, labels, where, constants)`` under ``shard_map`` on this head's mesh.
+
+        The tokens are flattened and padded to a multiple of the ``data`` axis (padding masked
+        out in ``where``), and each device gets one contiguous block of them; the decoder and
+        bias are split on ``vocab``, everything else replicated. Inputs ``[T, B]`` sharded on
+        ``B`` should come batch-major (``[B, T]``) so that the flattening moves no data.
+        """
+        if jnp.shape(labels) != h.shape[:-1] or (
+            where is not None and jnp.shape(where) != h.shape[:-1]
+        ):
+            raise ValueError(
+                f"labels and where must have shape {h.shape[:-1]} (h {h.shape} without its "
+                f"feature axis), got {jnp.shape(labels)} and {jnp.shape(where)}"
+            )
+        num_tokens, token_dims = labels.size, labels.ndim
+        flat = lambda x: x.reshape(num_tokens, *x.shape[token_dims:])  # noqa: E731
+        h, labels = flat(h), flat(labels)
+        where = jnp.ones((num_tokens,), bool) if where is None else flat(jnp.asarray(where, bool))
+        constants = None if constants is None else flat(constants)
+        padding = -num_tokens % axis_size(self.mesh, DATA)
+        if padding:
+            pad = lambda x: jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+            h, labels, where = pad(h), pad(labels), pad(where)
+            constants = None if constants is None else pad(constants)
         return jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(
-                self._state_specs(state),
-                P(*token_spec, None),
-                token_spec,
-                P(*token_spec, None),
-            ),
-            out_specs=token_spec,
-        )(state, h, labels, constants)
+            in_specs=(self._state_specs(state), P(DATA, None), P(DATA), P(DATA), P(DATA, None)),
+            out_specs=out_specs,
+        )(state, h, labels, where, constants)
 
     def _shard_label_log_probs(
         self,
@@ -339,31 +370,10 @@ class OutputHead(nnx.Module):
 
         if self.mesh is None:
             return local_loss(state, h, labels, where, constants)
-        if jnp.shape(labels) != h.shape[:-1] or (
-            where is not None and jnp.shape(where) != h.shape[:-1]
-        ):
-            raise ValueError(
-                f"labels and where must have shape {h.shape[:-1]} (h {h.shape} without its "
-                f"feature axis), got {jnp.shape(labels)} and {jnp.shape(where)}"
-            )
-        # Tokens in contiguous blocks per data shard: [T, B] inputs sharded on B should be
-        # passed batch-major ([B, T]) so that this reshape moves no data.
-        num_tokens, token_dims = labels.size, labels.ndim
-        flat = lambda x: x.reshape(num_tokens, *x.shape[token_dims:])  # noqa: E731
-        h, labels = flat(h), flat(labels)
-        where = jnp.ones((num_tokens,), bool) if where is None else flat(jnp.asarray(where, bool))
-        constants = None if constants is None else flat(constants)
-        padding = -num_tokens % axis_size(self.mesh, DATA)
-        if padding:  # padded tokens are masked out
-            pad = lambda x: jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
-            h, labels, where = pad(h), pad(labels), pad(where)
-            constants = None if constants is None else pad(constants)
-        return jax.shard_map(
+        return self._on_mesh(
             functools.partial(local_loss, data_axis=DATA),
-            mesh=self.mesh,
-            in_specs=(self._state_specs(state), P(DATA, None), P(DATA), P(DATA), P(DATA, None)),
-            out_specs=P(),
-        )(state, h, labels, where, constants)
+            state, h, labels, where, constants, out_specs=P(),
+        )  # fmt: skip
 
 
 class SoftmaxHead(OutputHead):

@@ -302,6 +302,10 @@ class LanguageModelTrainer:
 
         return jax.tree.map(place, tree)
 
+    def _place_windows(self, windows: Iterable[Window]) -> Iterator[Window]:
+        """Windows ``[L, B]`` placed as :meth:`_place` says, batch axis 1."""
+        return (self._place(window, batch_axis=1) for window in windows)
+
     def train_step(
         self, carry: Carry, window: Window, lr_scale: float, *, averaging: bool
     ) -> tuple[Carry, StepMetrics]:
@@ -343,9 +347,7 @@ class LanguageModelTrainer:
         """
         carry = self.initial_carry(batched.shape[1])
         total, tokens = jnp.zeros((), jnp.float32), 0
-        for window in map(
-            functools.partial(self._place, batch_axis=1), eval_windows(batched, seq_len)
-        ):
+        for window in self._place_windows(eval_windows(batched, seq_len)):
             if writer is not None and not writer.full:
                 log_probs, nll_sum, carry = self._log_probs_step(params, carry, window)
                 rows = int(window.length) * batched.shape[1]
@@ -392,7 +394,7 @@ class LanguageModelTrainer:
             stats = dynamic_eval.collect_gradient_statistics(
                 self._segment_grad,
                 params,
-                map(functools.partial(self._place, batch_axis=1), train_windows),
+                self._place_windows(train_windows),
                 self.initial_carry(stats_batch_size),
                 lamb=lamb,
                 style=style,
@@ -402,7 +404,7 @@ class LanguageModelTrainer:
         nll, _ = dynamic_eval.dynamic_evaluate(
             self._segment_grad,
             params,
-            map(functools.partial(self._place, batch_axis=1), eval_windows(eval_batched, segment)),
+            self._place_windows(eval_windows(eval_batched, segment)),
             self.initial_carry(eval_batched.shape[1]),
             stats,
             lr=lr,

@@ -59,6 +59,17 @@ def test_loss_equals_cross_entropy_of_full_log_probs(name, masked, memory_budget
     assert float(jnp.max(jnp.abs(chunked_grads[1]))) > 0  # the comparison is not vacuous
 
 
+@pytest.mark.parametrize("name", nn.HEAD_NAMES)
+def test_label_log_probs_pick_the_labels_from_the_full_log_probs(name):
+    head = make(name)
+    h, labels, _ = _inputs()
+    got = nnx.jit(lambda m, h, y: m.label_log_probs(h, y))(head, h, labels)
+    full = nnx.jit(lambda m, h: m(h))(head, h)
+    want = jnp.take_along_axis(full, labels[..., None], axis=-1)[..., 0]
+    chex.assert_shape(got, labels.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["mos", "moss", "mos_plif"])
 @pytest.mark.parametrize("memory_budget", [2**30, 10_000], ids=["one_chunk", "many_chunks"])
 def test_latent_mask_equals_a_plain_masked_mixture(name, memory_budget):
