@@ -96,8 +96,9 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines) + "\n"
 
 
-def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
-    """Writes ``payload`` as indented JSON, creating parent folders."""
+def write_results(path: str | Path, payload: Mapping[str, Any], markdown: str) -> None:
+    """Writes ``payload`` as indented JSON to ``path`` and ``markdown`` beside it (``.md``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.with_suffix(".md").write_text(markdown)

@@ -53,7 +53,7 @@ from _timing import (
     median_ratio,
     medians,
     time_interleaved,
-    write_json,
+    write_results,
 )
 from flax import nnx
 from tqdm import tqdm
@@ -475,7 +475,7 @@ def main() -> None:
         f"Total runtime {runtime:.0f} s.\n"
     )
     print(text, end="")
-    write_json(
+    write_results(
         args.out,
         {
             "benchmark": "heads",
@@ -512,8 +512,8 @@ def main() -> None:
             if not args.skip_wt2
             else "skipped",
         },
+        text,
     )
-    args.out.with_suffix(".md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from _timing import (
     median_ratio,
     medians,
     time_interleaved,
-    write_json,
+    write_results,
 )
 from flax import nnx
 from tqdm import tqdm
@@ -139,7 +139,7 @@ def main() -> None:
     ]  # fmt: skip
     table = markdown_table(header, rows)
     print(table, end="")
-    write_json(
+    write_results(
         args.out,
         {
             "benchmark": "lm_step",
@@ -153,8 +153,8 @@ def main() -> None:
             "ratio": "median over repetitions of step_ms / softmax step_ms (same repetition)",
             "results": results,
         },
+        table,
     )
-    args.out.with_suffix(".md").write_text(table)
 
 
 if __name__ == "__main__":

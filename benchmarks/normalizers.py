@@ -39,7 +39,7 @@ from _timing import (
     median_ratio,
     medians,
     time_interleaved,
-    write_json,
+    write_results,
 )
 from tqdm import tqdm
 
@@ -186,7 +186,7 @@ def main() -> None:
     ]
     table = markdown_table(header, rows)
     print(table, end="")
-    write_json(
+    write_results(
         args.out,
         {
             "benchmark": "normalizers",
@@ -200,8 +200,8 @@ def main() -> None:
             "ratio": "median over repetitions of library_ms / naive_ms",
             "results": results,
         },
+        table,
     )
-    args.out.with_suffix(".md").write_text(table)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from _timing import (
     median_ratio,
     medians,
     time_interleaved,
-    write_json,
+    write_results,
 )
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -493,7 +493,7 @@ def main() -> None:
     single, sharded = results["timing", 1], results["timing", max(DEVICE_COUNTS)]
     text = report(memory, single, sharded, repeats, (load_start, load_end), runtime)
     print(text, end="")
-    write_json(
+    write_results(
         args.out,
         {
             "benchmark": "sharding",
@@ -533,8 +533,8 @@ def main() -> None:
                 f"{max(DEVICE_COUNTS)}_device_process": sharded,
             },
         },
+        text,
     )
-    args.out.with_suffix(".md").write_text(text)
 
 
 if __name__ == "__main__":
