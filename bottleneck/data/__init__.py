@@ -1,7 +1,8 @@
 """Word-level language-modelling data: PTB and WikiText-2 through TFDS, vocabulary, BPTT batches.
 
-Data flow: release files (``manual_dir`` / ``$BOTTLENECK_DATA_DIR``) -> TFDS ``array_record``
-(:func:`prepare_corpus`) -> tokens (whitespace split + ``<eos>`` per line) -> int32 ids
+Data flow: release files (``manual_dir`` / ``$BOTTLENECK_DATA_DIR``, else downloaded and checked
+against their SHA-256: :mod:`bottleneck.data.download`) -> TFDS ``array_record``, kept in a folder
+named by the files' digests (:func:`prepare_corpus`) -> tokens (whitespace split + ``<eos>`` per line) -> int32 ids
 (:class:`Vocabulary`, :func:`load_corpus`) -> ``[num_steps, batch_size]`` columns (:func:`batchify`)
 -> variable-length windows (:func:`bptt_windows`).
 """
@@ -23,11 +24,19 @@ from bottleneck.data.corpora import (
     CorpusSpec,
     Vocabulary,
     corpus_spec,
+    decode_lines,
     find_corpus_dir,
     read_lines,
     read_split_tokens,
     tokenize_line,
     tokenize_lines,
+)
+from bottleneck.data.download import (
+    DATA_URL_ENV,
+    SHA256SUMS_ENV,
+    ChecksumError,
+    DownloadError,
+    expected_sha256,
 )
 from bottleneck.data.tfds_builders import (
     Ptb,
@@ -35,20 +44,26 @@ from bottleneck.data.tfds_builders import (
     Wikitext2,
     load_corpus,
     prepare_corpus,
+    prepared_dir,
     read_prepared_ids,
     read_prepared_lines,
     read_prepared_tokens,
+    release_sha256,
 )
 
 __all__ = [
     "CORPORA",
     "DATA_DIR_ENV",
+    "DATA_URL_ENV",
     "EOS",
     "PTB",
+    "SHA256SUMS_ENV",
     "SPLITS",
     "WIKITEXT2",
     "BpttWindow",
+    "ChecksumError",
     "CorpusSpec",
+    "DownloadError",
     "Ptb",
     "TokenizedCorpus",
     "Vocabulary",
@@ -56,15 +71,19 @@ __all__ = [
     "batchify",
     "bptt_windows",
     "corpus_spec",
+    "decode_lines",
+    "expected_sha256",
     "find_corpus_dir",
     "fixed_windows",
     "load_corpus",
     "prepare_corpus",
+    "prepared_dir",
     "read_lines",
     "read_prepared_ids",
     "read_prepared_lines",
     "read_prepared_tokens",
     "read_split_tokens",
+    "release_sha256",
     "sample_seq_len",
     "tokenize_line",
     "tokenize_lines",

