@@ -28,6 +28,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import inspect
 import json
 import math
 import shlex
@@ -114,23 +115,50 @@ def parse_config(
 
     overrides = {f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)}
     try:
-        config = dataclasses.replace(_preset_config(config_cls, presets[args.preset]), **overrides)
+        preset = _preset_config(config_cls, presets[args.preset], args.preset)
+        config = dataclasses.replace(preset, **overrides)
+        check_finite_floats(config)
         validate = getattr(config, "validate", None)
         if callable(validate):
             validate()
+        if isinstance(getattr(config, "out_dir", None), str):
+            check_run_folder(config.out_dir, config)
     except ValueError as err:
         # A bad combination of values is a usage error like a malformed flag: exit status 2.
         parser.error(f"invalid config (preset {args.preset!r}): {err}")
     return config
 
 
-def _preset_config(config_cls: type[ConfigT], preset: ConfigT | Mapping[str, Any]) -> ConfigT:
-    """A preset as a config instance: instances are used as they are, mappings override defaults."""
+def check_finite_floats(config: Any) -> None:
+    """``ValueError`` naming the first float field (or item of a float tuple) that is NaN or inf.
+
+    A NaN learning rate would otherwise train to NaN and report plausible-looking tables.
+    """
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for item in values:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"{field.name} must be finite, got {value}")
+
+
+def _preset_config(
+    config_cls: type[ConfigT], preset: ConfigT | Mapping[str, Any], name: str = DEFAULT_PRESET
+) -> ConfigT:
+    """A preset as a config instance: instances are used as they are, mappings override defaults.
+
+    A named preset that keeps the default ``out_dir`` gets its own, ``<out_dir>_<name>``, so
+    that ``--preset smoke`` never overwrites the results of the default run.
+    """
     if isinstance(preset, config_cls):
         return preset
-    if isinstance(preset, Mapping):
-        return config_cls(**preset)
-    raise TypeError(f"a preset must be a {config_cls.__name__} or a mapping, got {preset!r}")
+    if not isinstance(preset, Mapping):
+        raise TypeError(f"a preset must be a {config_cls.__name__} or a mapping, got {preset!r}")
+    config = config_cls(**preset)
+    default_out_dir = getattr(config_cls, "out_dir", None)
+    if name != DEFAULT_PRESET and "out_dir" not in preset and isinstance(default_out_dir, str):
+        config = dataclasses.replace(config, out_dir=f"{default_out_dir}_{name.replace('-', '_')}")
+    return config
 
 
 def _add_field_flag(parser: argparse.ArgumentParser, field: dataclasses.Field, tp: Any) -> None:
@@ -306,12 +334,50 @@ class RunDir:
         return path
 
 
+class RunFolderError(ValueError):
+    """An output folder that cannot be used: a file, unwritable, or another experiment's run."""
+
+
+def experiment_name(config: Any) -> str:
+    """The experiment a config belongs to: the stem of the file that defines its class.
+
+    The same whether the script runs as ``__main__`` or is imported (``lm_study`` runs
+    ``language_model`` in-process), so a run folder's owner is stable.
+    """
+    return Path(inspect.getfile(type(config))).stem
+
+
+def check_run_folder(out_dir: str | Path, config: Any) -> Path:
+    """``out_dir`` as a path, or :class:`RunFolderError` if this experiment may not use it.
+
+    A run folder records its experiment in ``config.json``; another experiment's folder (or one
+    whose ``config.json`` names none) is refused rather than overwritten, and so is a path that
+    is a file.
+    """
+    root = Path(out_dir)
+    if root.exists() and not root.is_dir():
+        raise RunFolderError(f"output folder {root} exists and is not a folder")
+    saved = root / "config.json"
+    if saved.is_file():
+        try:
+            owner = json.loads(saved.read_text()).get("experiment")
+        except (json.JSONDecodeError, AttributeError):
+            owner = None
+        if owner != experiment_name(config):
+            raise RunFolderError(
+                f"output folder {root} holds a run of {owner or 'an unknown experiment'!s}, not "
+                f"of {experiment_name(config)}; choose another --out_dir"
+            )
+    return root
+
+
 def open_run(out_dir: str | Path, config: Any, *, resume: bool = False) -> RunDir:
     """Create ``out_dir`` and record the run in ``config.json``.
 
-    ``config.json`` holds ``config`` (``dataclasses.asdict``), its ``seed`` field (if any) at the
-    top level, the JAX version and backend, a UTC timestamp and the command line, so that a
-    result can be traced back to how it was made.
+    ``config.json`` holds the experiment's name (:func:`experiment_name`), ``config``
+    (``dataclasses.asdict``), its ``seed`` field (if any) at the top level, the JAX version and
+    backend, a UTC timestamp and the command line, so that a result can be traced back to how it
+    was made. A folder of another experiment is refused (:func:`check_run_folder`).
 
     Args:
       out_dir: the output folder (created with its parents).
@@ -321,15 +387,22 @@ def open_run(out_dir: str | Path, config: Any, *, resume: bool = False) -> RunDi
 
     Returns:
       The :class:`RunDir`.
+
+    Raises:
+      RunFolderError: ``out_dir`` is a file, cannot be created, or belongs to another experiment.
     """
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    root = check_run_folder(out_dir, config)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderError(f"cannot create output folder {root}: {err.strerror}") from None
     run = RunDir(root)
     if not resume:
         run.path("metrics.jsonl").unlink(missing_ok=True)
     run.write_json(
         "config.json",
         {
+            "experiment": experiment_name(config),
             "config": config,
             "seed": getattr(config, "seed", None),
             "jax_version": jax.__version__,

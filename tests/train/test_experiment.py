@@ -9,7 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bottleneck.train import RunDir, open_run, parse_config, print_table, progress
+from bottleneck.train import (
+    RunDir,
+    RunFolderError,
+    open_run,
+    parse_config,
+    print_table,
+    progress,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +54,7 @@ def test_defaults_without_flags():
 
 def test_preset_then_flags_override():
     config = parse_config(Config, PRESETS, ["--preset", "smoke", "--lr", "0.25"])
-    assert config == Config(width=2, experts=(1,), lr=0.25)
+    assert config == Config(width=2, experts=(1,), lr=0.25, out_dir="runs/test_smoke")
     config = parse_config(Config, PRESETS, ["--preset", "big", "--width", "3"])
     assert config == Config(width=3, lr=0.5)
 
@@ -119,6 +126,73 @@ def test_bad_values_exit_2_with_a_clear_message(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert err.startswith("usage:")
+
+
+def test_a_named_preset_gets_its_own_default_out_dir():
+    # A mapping preset that keeps the default folder gets "<default>_<name>" (so a smoke run
+    # never replaces the default run's results); --out_dir and a preset's own folder win.
+    assert parse_config(Config, PRESETS, ["--preset", "smoke"]).out_dir == "runs/test_smoke"
+    assert parse_config(Config, PRESETS, []).out_dir == "runs/test"
+    argv = ["--preset", "smoke", "--out_dir", "elsewhere"]
+    assert parse_config(Config, PRESETS, argv).out_dir == "elsewhere"
+    presets = {"x-y": {"out_dir": "mine"}, "z-w": {}}
+    assert parse_config(Config, presets, ["--preset", "x-y"]).out_dir == "mine"
+    assert parse_config(Config, presets, ["--preset", "z-w"]).out_dir == "runs/test_z_w"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "nan"], "lr must be finite, got nan"),
+        (["--lr", "inf"], "lr must be finite, got inf"),
+        (["--lr=-inf"], "lr must be finite, got -inf"),
+        (["--scales", "1.0,nan"], "scales must be finite, got (1.0, nan)"),
+        (["--pair", "1,nan"], "pair must be finite, got (1, nan)"),
+    ],
+)
+def test_non_finite_floats_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(Config, PRESETS, argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_folder_of_another_experiment_is_refused(tmp_path, capsys):
+    run = open_run(tmp_path / "mine", Config())
+    record = json.loads((run.root / "config.json").read_text())
+    assert record["experiment"] == "test_experiment"  # the file that defines Config
+    open_run(tmp_path / "mine", Config(width=3))  # the same experiment may reuse it
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"experiment": "language_model"}))
+    (other / "results.json").write_text("{}")
+    with pytest.raises(RunFolderError, match="holds a run of language_model, not of test_exp"):
+        open_run(other, Config())
+    assert json.loads((other / "config.json").read_text()) == {"experiment": "language_model"}
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(Config, PRESETS, ["--out_dir", str(other)])
+    assert exit_info.value.code == 2
+    assert "holds a run of language_model" in capsys.readouterr().err
+
+    legacy = tmp_path / "legacy"  # a config.json that names no experiment: refused too
+    legacy.mkdir()
+    (legacy / "config.json").write_text(json.dumps({"config": {}}))
+    with pytest.raises(RunFolderError, match="an unknown experiment"):
+        open_run(legacy, Config())
+
+
+def test_an_out_dir_that_is_a_file_is_one_clear_error(tmp_path, capsys):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(RunFolderError, match="exists and is not a folder"):
+        open_run(path, Config())
+    with pytest.raises(RunFolderError, match="cannot create output folder"):
+        open_run(path / "sub", Config())
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(Config, PRESETS, ["--out_dir", str(path)])
+    assert exit_info.value.code == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
 
 
 def test_unsupported_field_type_is_a_programming_error():
