@@ -72,7 +72,15 @@ from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.awd_lstm import AWDLSTM, MIXTURE_HEAD_NAMES
 from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_model
-from bottleneck.train import make_optimizer, open_run, parse_config, print_table, progress
+from bottleneck.train import (
+    RunFolderError,
+    check_run_folder,
+    make_optimizer,
+    open_run,
+    parse_config,
+    print_table,
+    progress,
+)
 from bottleneck.train.checkpoint import CheckpointStore, RunFolderBusy, RunLock, StopSignals
 from bottleneck.train.dynamic_eval import STYLES
 from bottleneck.train.experiment import RunDir, to_jsonable
@@ -103,6 +111,13 @@ class Config:
     )
     tfds_dir: str | None = dataclasses.field(
         default=None, metadata={"help": "where TFDS prepares the corpus; none: OUT_DIR/tfds"}
+    )
+    train_tokens: int | None = dataclasses.field(
+        default=None, metadata={"help": "train on the first N training tokens only; none: all"}
+    )
+    eval_tokens: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "validate / test on the first N tokens of each split only; none: all"},
     )
     # model
     head: str = dataclasses.field(
@@ -151,6 +166,12 @@ class Config:
     )
     epochs: int = 1000
     nonmono: int = 5
+    patience: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "early stopping: stop when validation has not improved for N epochs; none: off"
+        },
+    )
     finetune_from: str | None = dataclasses.field(
         default=None, metadata={"help": "run folder whose best model to finetune with ASGD"}
     )
@@ -194,8 +215,9 @@ class Config:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.nhidlast is not None and self.nhidlast < 1:
-            raise ValueError(f"nhidlast must be >= 1 or none, got {self.nhidlast}")
+        for name in ("nhidlast", "train_tokens", "eval_tokens", "patience"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or none, got {getattr(self, name)}")
         for name in ("dropout", "dropouth", "dropouti", "dropoute", "wdrop", "dropoutl"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -317,7 +339,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "test_batch_size": 1,
         "max_logprob_tokens": 10_000,
         "dynamic_eval_max_batches": 200,
-        "out_dir": "runs/language_model_cpu_small",
     },
     # Seconds: the fixture corpus (18 training tokens), a 2-layer model, every stage.
     "smoke": {
@@ -337,12 +358,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "lr": 1.0,
         "epochs": 3,
         "nonmono": 1,
+        # Seconds on any corpus: on the fixtures these caps change nothing (18 training tokens);
+        # with --data_dir pointing at real PTB the run reads a few hundred tokens of each split.
+        "train_tokens": 200,
+        "eval_tokens": 100,
         "logprob_block_tokens": 4,
         "dynamic_eval": True,
         "dynamic_eval_segment": 3,
         "dynamic_eval_batch_size": 2,
         "dynamic_eval_max_batches": 2,
-        "out_dir": "runs/language_model_smoke",
     },
 }
 
@@ -374,6 +398,15 @@ def load_data(config: Config) -> TokenizedCorpus:
         return load_corpus(config.corpus, manual_dir=config.data_dir, data_dir=tfds_dir)
     except (FileNotFoundError, ValueError) as err:
         raise UsageError(f"cannot load corpus {config.corpus!r}: {err}") from None
+
+
+def truncate_corpus(corpus: TokenizedCorpus, config: Config) -> TokenizedCorpus:
+    """The first ``train_tokens`` / ``eval_tokens`` tokens of the splits (the vocabulary stays)."""
+    return corpus._replace(
+        train=corpus.train[: config.train_tokens],
+        validation=corpus.validation[: config.eval_tokens],
+        test=corpus.test[: config.eval_tokens],
+    )
 
 
 def build_model(config: Config, vocab_size: int, mesh: Mesh | None = None) -> AWDLSTM:
@@ -446,6 +479,27 @@ def train_windows(config: Config, batched: np.ndarray, epoch: int):
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))
+
+
+def epochs_since_best(records: list[dict[str, Any]]) -> int:
+    """Epochs since the lowest validation loss in ``records`` (0: the last epoch is the best)."""
+    losses = [record["valid_loss"] for record in records]
+    return len(losses) - 1 - int(np.argmin(losses))
+
+
+def stop_reason(records: list[dict[str, Any]], status: NtAsgdStatus, config: Config) -> str:
+    """Why training ended (or ``"running"``): early stopping, NT-ASGD's finetune rule, epochs."""
+    if any(record.get("early_stop") for record in records):
+        return f"early stopping (no improvement for {config.patience} epochs)"
+    if status.finished:
+        return "finetune criterion (NT-ASGD)"
+    if len(records) >= config.epochs:
+        return f"epoch budget ({config.epochs})"
+    return "running"
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite (exit status 1)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -591,6 +645,9 @@ class Run:
             }
             self.status = outcome.status
             self.records.append(record)
+            if config.patience is not None and epochs_since_best(self.records) >= config.patience:
+                record["early_stop"] = True
+                self.status = self.status._replace(finished=True)
             self.epoch, self.window = self.epoch + 1, 0
             self.carry = self.trainer.initial_carry(config.batch_size)
             self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0}
@@ -605,7 +662,7 @@ class Run:
             if stop.requested:
                 raise SystemExit(stop.exit_code)
             if self.status.finished:
-                tqdm.write("finetune done: validation stopped improving (NT-ASGD criterion)")
+                tqdm.write(f"{stop_reason(self.records, self.status, config)}: training stops")
 
     def _train_epoch(self, stop: StopSignals) -> None:
         config, batch = self.config, self.config.batch_size
@@ -636,13 +693,27 @@ class Run:
             self.window += 1
             if self.window % 10 == 0:
                 loss = float(nll_sum) / tokens
+                self._check_finite(loss)
                 bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{perplexity(loss):.1f}")
             if stop.requested:  # the step is done: save where we are and leave
                 keep_partial()
                 self.save()
                 raise SystemExit(stop.exit_code)
-        jax.block_until_ready(nll_sum)
+        self._check_finite(float(nll_sum) / max(tokens, 1))
         keep_partial()
+
+    def _check_finite(self, loss: float) -> None:
+        """Stops a diverged run before anything of it is saved: its last checkpoint stays good."""
+        if not math.isfinite(loss):
+            kept = (
+                f"the checkpoint of epoch {self.epoch} is kept in {self.store.directory}"
+                if self.epoch
+                else "there is no checkpoint yet"
+            )
+            raise TrainingDiverged(
+                f"the training loss became {loss} in epoch {self.epoch + 1} (window "
+                f"{self.window}); nothing of this epoch was saved and {kept}; lower --lr or --clip"
+            )
 
     # -- final evaluation ------------------------------------------------------------------------
 
@@ -673,6 +744,13 @@ class Run:
             "corpus": config.corpus,
             "num_params": sum(int(np.size(x)) for x in jax.tree.leaves(params)),
             "epochs_trained": self.epoch,
+            "stop_reason": stop_reason(self.records, self.status, config),
+            "data": self.corpus.provenance(),  # the files' SHA-256 and full token counts
+            "tokens_used": {
+                "train": len(self.corpus.train),
+                "validation": len(self.corpus.validation),
+                "test": len(self.corpus.test),
+            },
             "asgd_switch_epoch": next(
                 (r["epoch"] for r in self.records if r["switched_to_asgd"]), None
             ),
@@ -757,14 +835,17 @@ class Ticker:
 
 def run_experiment(config: Config) -> dict[str, Any]:
     """Trains (or resumes, or finetunes) and evaluates; returns the results."""
-    root = Path(config.out_dir)
+    try:  # before the lock and checkpoints are created in another experiment's folder
+        root = check_run_folder(config.out_dir, config)
+    except RunFolderError as err:
+        raise UsageError(str(err)) from None
     lock = RunLock(root)  # one process per run folder: no two runs share checkpoints
     try:
         lock.acquire()
     except RunFolderBusy as err:
         raise UsageError(str(err)) from None
     with lock, CheckpointStore(root / "checkpoints") as store, StopSignals() as stop:
-        corpus = load_data(config)
+        corpus = truncate_corpus(load_data(config), config)
         resuming = store.latest_step() is not None
         if resuming:
             check_resumable(root, config)
@@ -804,6 +885,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except UsageError as err:
         print(f"language_model.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except TrainingDiverged as err:
+        print(f"language_model.py: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

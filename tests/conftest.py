@@ -5,6 +5,11 @@ import os
 # LAPACK (SVD) runs on OpenBLAS threads that fight XLA's own on small CPUs: 10-200x slower.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+# No test downloads a corpus from the release hosts: a run given no data folder would try to.
+# A loopback port on which nothing listens makes such an attempt fail at once, with the error
+# that tells an offline user what to do (tests of the download serve their own mirror).
+os.environ["BOTTLENECK_DATA_URL"] = "http://127.0.0.1:9"
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")

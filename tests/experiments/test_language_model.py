@@ -5,6 +5,7 @@ mode), so only the first compiles; the kill test uses the smoke preset's shapes 
 corpus over the same 12-word vocabulary as the fixture corpus, so it reuses those compilations.
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -77,6 +78,15 @@ def test_smoke_run_writes_every_output(smoke):
     assert set(results["dynamic_eval"]) >= {"valid_ppl", "test_ppl", "lr", "lamb", "style"}
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["epochs"] == 3 and config["seed"] == 141
+    assert config["experiment"] == "language_model"
+    # The data it was trained on: the files' SHA-256 and their token counts.
+    fixtures = language_model.FIXTURES_DIR / "ptb"
+    assert results["data"]["sha256"] == {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in fixtures.glob("ptb.*.txt")
+    }
+    assert results["data"]["token_counts"] == {"train": 18, "validation": 4, "test": 11}
+    assert results["tokens_used"] == {"train": 18, "validation": 4, "test": 11}
+    assert results["stop_reason"] == "epoch budget (3)"
     assert "test_ppl" in stdout
     # log_probs/: blocks of <= 4 rows (logprob_block_tokens) over the 12 words, one row per test
     # target (11 test tokens at batch 1 -> 10 targets); they reproduce the test loss.
@@ -168,6 +178,10 @@ def test_sigterm_then_rerun_resumes_without_losing_or_repeating_epochs(env, smok
         (["--dropoutl", "0.2"], "dropoutl > 0 needs a mixture head"),
         (["--corpus", "wiki"], "corpus must be one of ptb, wikitext2"),
         (["--preset", "huge"], "invalid choice: 'huge'"),
+        (["--lr", "nan"], "lr must be finite, got nan"),
+        (["--dynamic_eval_lambda", "inf"], "dynamic_eval_lambda must be finite"),
+        (["--patience", "0"], "patience must be >= 1 or none, got 0"),
+        (["--train_tokens", "0"], "train_tokens must be >= 1 or none, got 0"),
         (
             ["--data_dir", "/nonexistent"],
             "expects the files ptb.train.txt, ptb.valid.txt, ptb.test.txt",
@@ -205,3 +219,81 @@ def test_a_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert f"is in use by process {os.getppid()}" in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists()  # refused before touching anything
+
+
+def test_a_diverged_run_stops_with_a_clear_message_and_keeps_its_last_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
+    # The training loss turns NaN in epoch 2 (as a too large --lr would make it).
+    train_epoch = language_model.Run._train_epoch
+
+    def poisoned(run, stop):
+        if run.epoch == 1:
+            step = run.trainer.train_step
+
+            def nan_step(*args, **kwargs):
+                carry, metrics = step(*args, **kwargs)
+                return carry, metrics._replace(nll=metrics.nll * np.nan)
+
+            monkeypatch.setattr(run.trainer, "train_step", nan_step)
+        return train_epoch(run, stop)
+
+    monkeypatch.setattr(language_model.Run, "_train_epoch", poisoned)
+    argv = ["--preset", "smoke", "--no-dynamic_eval", "--out_dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        language_model.main(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "the training loss became nan in epoch 2" in err
+    assert "the checkpoint of epoch 1 is kept" in err
+    assert not (tmp_path / "results.json").exists()  # no perplexity of a broken model
+    assert [m["epoch"] for m in _metrics(tmp_path)] == [1]
+
+    monkeypatch.setattr(language_model.Run, "_train_epoch", train_epoch)
+    results = language_model.main(argv)  # the kept checkpoint resumes
+    assert results["epochs_trained"] == 3 and np.isfinite(results["test_loss"])
+
+
+def test_early_stopping_and_stop_reasons():
+    config = language_model.Config(epochs=5, patience=2)
+    records = [{"valid_loss": v} for v in (5.0, 4.0, 4.5)]
+    assert language_model.epochs_since_best(records) == 1
+    assert language_model.epochs_since_best([*records, {"valid_loss": 4.2}]) == 2
+    assert language_model.epochs_since_best([*records, {"valid_loss": 3.0}]) == 0
+    status = language_model.NtAsgdStatus()
+    assert language_model.stop_reason(records, status, config) == "running"
+    stopped = [*records, {"valid_loss": 4.2, "early_stop": True}]
+    assert language_model.stop_reason(stopped, status._replace(finished=True), config) == (
+        "early stopping (no improvement for 2 epochs)"
+    )
+    full = [{"valid_loss": 1.0 - i / 10} for i in range(5)]
+    assert language_model.stop_reason(full, status, config) == "epoch budget (5)"
+    finetuned = status._replace(finished=True)
+    assert language_model.stop_reason(records, finetuned, config) == "finetune criterion (NT-ASGD)"
+
+
+def test_a_folder_of_another_experiment_is_refused_before_anything_is_written(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"experiment": "synthetic"}))
+    with pytest.raises(SystemExit) as exit_info:
+        language_model.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "holds a run of synthetic, not of language_model" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    with pytest.raises(language_model.UsageError, match="holds a run of synthetic"):
+        language_model.run_experiment(language_model.Config(out_dir=str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "data" / "ptb").is_dir(), reason="no ../shared")
+def test_smoke_on_the_real_corpus_reads_a_few_hundred_tokens(env, tmp_path):
+    start = time.monotonic()
+    code, _, stderr = _run(
+        env, "--preset", "smoke", "--data_dir", str(ROOT.parent / "shared" / "data"),
+        "--no-dynamic_eval", "--out_dir", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0, stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["tokens_used"] == {"train": 200, "validation": 100, "test": 100}
+    assert results["data"]["token_counts"]["train"] == 929_589
+    assert results["data"]["matches_release"]
+    assert time.monotonic() - start < 240  # seconds to minutes, not three PTB epochs
