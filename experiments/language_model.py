@@ -67,7 +67,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from bottleneck import nn
-from bottleneck.data import CORPORA, batchify, bptt_windows, load_corpus
+from bottleneck.data import CORPORA, batchify, bptt_windows, limit_vocabulary, load_corpus
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.awd_lstm import AWDLSTM, MIXTURE_HEAD_NAMES
@@ -111,6 +111,10 @@ class Config:
     )
     tfds_dir: str | None = dataclasses.field(
         default=None, metadata={"help": "where TFDS prepares the corpus; none: OUT_DIR/tfds"}
+    )
+    vocab_size: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "keep the N most frequent training words, the others become <unk>"},
     )
     train_tokens: int | None = dataclasses.field(
         default=None, metadata={"help": "train on the first N training tokens only; none: all"}
@@ -215,6 +219,8 @@ class Config:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2 or none, got {self.vocab_size}")
         for name in ("nhidlast", "train_tokens", "eval_tokens", "patience"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or none, got {getattr(self, name)}")
@@ -400,8 +406,11 @@ def load_data(config: Config) -> TokenizedCorpus:
         raise UsageError(f"cannot load corpus {config.corpus!r}: {err}") from None
 
 
-def truncate_corpus(corpus: TokenizedCorpus, config: Config) -> TokenizedCorpus:
-    """The first ``train_tokens`` / ``eval_tokens`` tokens of the splits (the vocabulary stays)."""
+def shrink_corpus(corpus: TokenizedCorpus, config: Config) -> TokenizedCorpus:
+    """``--vocab_size`` (counted on the whole training split), then the first ``--train_tokens`` /
+    ``--eval_tokens`` tokens of the splits."""
+    if config.vocab_size is not None:
+        corpus = limit_vocabulary(corpus, config.vocab_size)
     return corpus._replace(
         train=corpus.train[: config.train_tokens],
         validation=corpus.validation[: config.eval_tokens],
@@ -845,7 +854,7 @@ def run_experiment(config: Config) -> dict[str, Any]:
     except RunFolderBusy as err:
         raise UsageError(str(err)) from None
     with lock, CheckpointStore(root / "checkpoints") as store, StopSignals() as stop:
-        corpus = truncate_corpus(load_data(config), config)
+        corpus = shrink_corpus(load_data(config), config)
         resuming = store.latest_step() is not None
         if resuming:
             check_resumable(root, config)

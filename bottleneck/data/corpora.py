@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 EOS = "<eos>"
+UNK = "<unk>"
 SPLITS = ("train", "validation", "test")
 DATA_DIR_ENV = "BOTTLENECK_DATA_DIR"
 

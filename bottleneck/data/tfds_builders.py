@@ -34,6 +34,7 @@ from bottleneck.data.corpora import (
     DATA_DIR_ENV,
     PTB,
     SPLITS,
+    UNK,
     WIKITEXT2,
     CorpusSpec,
     Vocabulary,
@@ -301,6 +302,39 @@ class TokenizedCorpus(NamedTuple):
             "vocabulary_size": len(self.vocabulary),
             "source": self.source,
         }
+
+
+def limit_vocabulary(corpus: TokenizedCorpus, size: int) -> TokenizedCorpus:
+    """The corpus over its ``size`` most frequent training words; every other word is ``<unk>``.
+
+    Frequencies are counted on the training split; ties keep the earlier word. ``<eos>`` and
+    ``<unk>`` are always in the vocabulary (``<unk>`` is added if the corpus has none). Kept words
+    keep their relative order, so the ids stay in first-occurrence order. A ``size`` at least the
+    vocabulary's returns the corpus unchanged.
+
+    Example (PTB's 10,000 words to 2,000: 13% of the training tokens become ``<unk>``)::
+
+        small = limit_vocabulary(load_corpus("ptb", manual_dir=...), 2000)
+    """
+    vocabulary = corpus.vocabulary
+    if size < 2:
+        raise ValueError(f"size must be >= 2 (<eos> and <unk>), got {size}")
+    if size >= len(vocabulary):
+        return corpus
+    has_unk = UNK in vocabulary
+    forced = [int(vocabulary.eos_id)] + ([int(vocabulary.encode([UNK])[0])] if has_unk else [])
+    counts = np.bincount(corpus.train, minlength=len(vocabulary))
+    by_frequency = [i for i in np.argsort(-counts, kind="stable").tolist() if i not in forced]
+    kept = sorted(forced + by_frequency[: size - len(forced) - (0 if has_unk else 1)])
+    tokens = [vocabulary.tokens[i] for i in kept] + ([] if has_unk else [UNK])
+    new_ids = np.full(len(vocabulary), tokens.index(UNK), np.int32)
+    new_ids[kept] = np.arange(len(kept), dtype=np.int32)
+    return corpus._replace(
+        vocabulary=Vocabulary(tokens),
+        train=new_ids[corpus.train],
+        validation=new_ids[corpus.validation],
+        test=new_ids[corpus.test],
+    )
 
 
 def load_corpus(

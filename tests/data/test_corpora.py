@@ -428,3 +428,33 @@ def test_real_corpus_builder_matches_plain_reading(real_corpus) -> None:
     name, corpus = real_corpus
     plain_test_tokens = read_split_tokens(corpus_spec(name), "test", SHARED_DATA_DIR)
     assert corpus.vocabulary.decode(corpus.test) == plain_test_tokens
+
+
+def test_limit_vocabulary_keeps_the_most_frequent_training_words():
+    from bottleneck.data import TokenizedCorpus, Vocabulary, limit_vocabulary
+
+    vocabulary = Vocabulary(["a", "<eos>", "b", "c", "d", "<unk>"])
+    encode = vocabulary.encode
+    corpus = TokenizedCorpus(
+        vocabulary,
+        train=encode("a b b c c c d <eos> b c".split()),
+        validation=encode("d a <unk> <eos>".split()),
+        test=encode("c b a".split()),
+    )
+    small = limit_vocabulary(corpus, 4)  # <eos>, <unk> and the two most frequent: c (4), b (3)
+    assert small.vocabulary.tokens == ("<eos>", "b", "c", "<unk>")  # first-occurrence order
+    decode = small.vocabulary.decode
+    assert decode(small.train) == "<unk> b b c c c <unk> <eos> b c".split()
+    assert decode(small.validation) == "<unk> <unk> <unk> <eos>".split()
+    assert decode(small.test) == "c b <unk>".split()
+    assert limit_vocabulary(corpus, 6) is corpus and limit_vocabulary(corpus, 100) is corpus
+
+    # A corpus without <unk> gets one; ties keep the earlier word (a before d, both once).
+    plain = Vocabulary(["a", "b", "<eos>", "d", "e"])
+    corpus = TokenizedCorpus(plain, plain.encode("a b b <eos> d e e a".split()),
+                             plain.encode(["d"]), plain.encode(["e"]))  # fmt: skip
+    small = limit_vocabulary(corpus, 4)  # a, b and e twice each: the earlier two are kept
+    assert small.vocabulary.tokens == ("a", "b", "<eos>", "<unk>")
+    assert small.vocabulary.decode(small.validation) == ["<unk>"]
+    with pytest.raises(ValueError, match="size must be >= 2"):
+        limit_vocabulary(corpus, 1)
