@@ -77,29 +77,36 @@ class Config:
     data_dir: str | None = dataclasses.field(
         default=None, metadata={"help": "folder with the release files; none: download"}
     )
+    vocab_size: int | None = dataclasses.field(
+        default=2000, metadata={"help": "most frequent training words kept, others <unk>"}
+    )
     # the model (the same trunk in every cell)
     nhid: int = 128
     nlayers: int = 2
     num_components: int = dataclasses.field(default=3, metadata={"help": "K of mos / moss"})
     num_knots: int = dataclasses.field(default=10_000, metadata={"help": "PLIF knots"})
-    dropout: float = 0.2
+    dropout: float = 0.1
     dropouth: float = 0.1
-    dropouti: float = 0.2
-    dropoute: float = 0.05
-    wdrop: float = 0.2
+    dropouti: float = 0.1
+    dropoute: float = 0.0
+    wdrop: float = 0.1
     # training (the same protocol for every head)
-    lr: float = dataclasses.field(default=3e-3, metadata={"help": "Adam learning rate"})
-    plif_lr: float = dataclasses.field(default=0.02, metadata={"help": "PLIF slopes' Adam lr"})
-    batch_size: int = 64
+    optimizer: str = dataclasses.field(default="sgd", metadata={"help": "sgd (NT-ASGD) | adam"})
+    lr: float = 20.0
+    plif_lr: float = dataclasses.field(default=0.02, metadata={"help": "PLIF slopes' own lr"})
+    batch_size: int = 32
     bptt: int = 35
+    nonmono: int = dataclasses.field(
+        default=1, metadata={"help": "NT-ASGD: average after N epochs without improvement"}
+    )
     train_tokens: int | None = dataclasses.field(
         default=None, metadata={"help": "first N training tokens only; none: all"}
     )
     eval_tokens: int | None = dataclasses.field(
         default=None, metadata={"help": "first N validation / test tokens only; none: all"}
     )
-    epochs: int = dataclasses.field(default=6, metadata={"help": "budget per cell"})
-    patience: int = dataclasses.field(default=1, metadata={"help": "early-stopping patience"})
+    epochs: int = dataclasses.field(default=4, metadata={"help": "budget per cell"})
+    patience: int = dataclasses.field(default=2, metadata={"help": "early-stopping patience"})
     # the rank analysis
     rank_d: int | None = dataclasses.field(
         default=8, metadata={"help": "d whose first seed's test log-probs are ranked; none: skip"}
@@ -144,6 +151,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_knots": 100,
         "batch_size": 2,
         "bptt": 3,
+        "lr": 1.0,
         "epochs": 2,
         "train_tokens": 200,
         "eval_tokens": 100,
@@ -156,6 +164,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "heads": ("softmax", "sigsoftmax", "plif", "mos", "moss", "mos_plif", "monotone_mlp"),
         "ds": (16, 32, 64, 128, 256),
         "seeds": (1, 2, 3),
+        "vocab_size": None,
         "nhid": 512,
         "nlayers": 3,
         "num_components": 8,
@@ -184,6 +193,7 @@ def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.
         corpus=config.corpus,
         data_dir=config.data_dir,
         tfds_dir=str(root / "tfds"),
+        vocab_size=config.vocab_size,
         train_tokens=config.train_tokens,
         eval_tokens=config.eval_tokens,
         head=head,
@@ -197,7 +207,7 @@ def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.
         dropouti=config.dropouti,
         dropoute=config.dropoute,
         wdrop=config.wdrop,
-        optimizer="adam",
+        optimizer=config.optimizer,
         lr=config.lr,
         plif_lr=config.plif_lr,
         batch_size=config.batch_size,
@@ -205,6 +215,7 @@ def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.
         test_batch_size=config.batch_size,
         bptt=config.bptt,
         epochs=config.epochs,
+        nonmono=config.nonmono,
         patience=config.patience,
         seed=seed,
         max_logprob_tokens=config.rank_tokens if ranked else 0,
