@@ -8,20 +8,82 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bottleneck._checks import as_compute, require_float, require_ndim
+from bottleneck.normalizers import vocab_axis
 from bottleneck.sharding import mark_varying, varying_axes
 
 
-def _check_labels(log_probs: jax.Array, labels: jax.Array, where: jax.Array | None) -> None:
-    require_float("log_probs", log_probs)
-    require_ndim("log_probs", log_probs, 1, "[..., vocab]")
+def labels_are_concrete(labels: Any) -> bool:
+    """Whether ``labels`` hold values Python can read now (not a tracer under ``jit``/``grad``).
+
+    A multi-host array that this process cannot read whole counts as traced: it is checked
+    inside the computation instead (see :func:`valid_labels`).
+    """
+    if isinstance(labels, jax.core.Tracer):
+        return False
+    return not (isinstance(labels, jax.Array) and not labels.is_fully_addressable)
+
+
+def check_label_range(labels: Any, vocab_size: int, name: str = "labels") -> None:
+    """``ValueError`` naming ``[0, vocab_size)`` if concrete ``labels`` fall outside it.
+
+    Every label is checked, at masked-out (``where=False``) positions too: padding must carry a
+    valid class (0, say), not a sentinel such as -1. Traced labels are not checked here; the
+    functions that take them fold :func:`valid_labels` into their result instead (NaN).
+    """
+    if not labels_are_concrete(labels) or np.size(labels) == 0:
+        return
+    if isinstance(labels, jax.Array):
+        # Eagerly, also when a concrete array is closed over inside a trace: two scalars
+        # travel to the host, not the labels.
+        with jax.ensure_compile_time_eval():
+            low, high = (int(v) for v in jax.device_get((jnp.min(labels), jnp.max(labels))))
+    else:
+        array = np.asarray(labels)
+        low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"{name} must lie in [0, {vocab_size}) (the vocabulary), got values in [{low}, {high}]"
+        )
+
+
+def valid_labels(labels: jax.Array, vocab_size: int) -> jax.Array:
+    """``0 <= labels < vocab_size`` elementwise, compared without narrowing the labels first.
+
+    Labels narrower than int32 are widened, wider ones compared in their own dtype, so no
+    out-of-range value (int64 ``2**32``, say) can wrap into range before it is checked.
+    """
+    labels = jnp.asarray(labels)
+    if labels.dtype.itemsize < 4:
+        labels = labels.astype(jnp.int32)
+    return (labels >= 0) & (labels < vocab_size)
+
+
+def nan_unless(valid: jax.Array, x: jax.Array) -> jax.Array:
+    """``x`` where ``valid``, NaN elsewhere; NaN in value *and* gradient.
+
+    ``x * where(valid, 1, nan)``: exact (``x * 1``) for valid entries, while an invalid one
+    makes the result and every gradient that flows through it NaN, so a bad label under
+    ``jit`` cannot yield a plausible loss nor a plausible update. (``where(valid, x, nan)``
+    would give NaN values but silently zero gradients.)
+    """
+    factor = jnp.where(valid, jnp.ones((), x.dtype), jnp.full((), jnp.nan, x.dtype))
+    return x * factor
+
+
+def _check_labels(
+    log_probs_shape: tuple[int, ...], axis: int, labels: jax.Array, where: jax.Array | None
+) -> None:
+    """Dtype of ``labels``; shapes of ``labels`` and ``where``: ``log_probs``'s without ``axis``."""
     if not jnp.issubdtype(jnp.asarray(labels).dtype, jnp.integer):
         raise ValueError(f"labels must have an integer dtype, got {jnp.asarray(labels).dtype}")
-    if jnp.shape(labels) != jnp.shape(log_probs)[:-1]:
+    expected = log_probs_shape[:axis] + log_probs_shape[axis + 1 :]
+    if jnp.shape(labels) != expected:
         raise ValueError(
-            f"labels must have shape {jnp.shape(log_probs)[:-1]} (log_probs {jnp.shape(log_probs)} "
-            f"without its vocab axis), got {jnp.shape(labels)}"
+            f"labels must have shape {expected} (log_probs {log_probs_shape} without its vocab "
+            f"axis {axis}), got {jnp.shape(labels)}"
         )
     if where is not None and jnp.shape(where) != jnp.shape(labels):
         raise ValueError(
@@ -30,20 +92,29 @@ def _check_labels(log_probs: jax.Array, labels: jax.Array, where: jax.Array | No
 
 
 def cross_entropy(
-    log_probs: jax.Array, labels: jax.Array, where: jax.Array | None = None
+    log_probs: jax.Array, labels: jax.Array, where: jax.Array | None = None, axis: int = -1
 ) -> jax.Array:
     r"""Mean negative log-likelihood of integer labels over the unmasked positions.
 
     .. math:: \mathcal{L} = -\frac{1}{|\{n: w_n\}|} \sum_{n:\,w_n} \log p_n(y_n)
 
     Args:
-      log_probs: ``[..., vocab]`` log-probabilities (any normalizer's output).
-      labels: ``[...]`` integer targets in ``[0, vocab)``.
-      where: optional ``[...]`` boolean mask; ``False`` positions are ignored (padding).
-        With every position masked the loss is 0.
+      log_probs: ``[..., vocab]`` log-probabilities (any normalizer's output), the vocabulary
+        on ``axis``.
+      labels: ``[...]`` integer targets in ``[0, vocab)``: ``log_probs``'s shape without
+        ``axis``.
+      where: optional ``[...]`` boolean mask (shape of ``labels``); ``False`` positions are
+        ignored (padding). With every position masked the loss is 0.
+      axis: the vocabulary axis of ``log_probs`` (default ``-1``).
 
     Returns:
       Scalar float32 (or wider) mean NLL.
+
+    Raises:
+      ValueError: bad shapes or dtypes, ``axis`` out of range, an empty vocabulary, or concrete
+        labels outside ``[0, vocab)``, at masked positions too. Under tracing (``jit``,
+        ``grad``, ``vmap``) labels cannot be read, and any label outside ``[0, vocab)``, masked
+        or not, makes the loss and its gradients NaN instead (never a plausible number).
 
     Example:
       >>> import jax.numpy as jnp, bottleneck as bn
@@ -51,15 +122,26 @@ def cross_entropy(
       >>> round(float(bn.cross_entropy(lp, jnp.array([0, 3]))), 4)  # log 4
       1.3863
     """
-    _check_labels(log_probs, labels, where)
+    require_float("log_probs", log_probs)
+    require_ndim("log_probs", log_probs, 1, "[..., vocab]")
+    axis = vocab_axis("log_probs", log_probs, axis)
+    _check_labels(jnp.shape(log_probs), axis, labels, where)
+    log_probs = jnp.moveaxis(jnp.asarray(log_probs), axis, -1)
+    vocab_size = log_probs.shape[-1]
+    check_label_range(labels, vocab_size)
+    labels = jnp.asarray(labels)
+    valid = valid_labels(labels, vocab_size)
     log_probs = as_compute(log_probs)
-    picked = jnp.take_along_axis(log_probs, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    index = jnp.where(valid, labels, jnp.zeros((), labels.dtype)).astype(jnp.int32)
+    picked = jnp.take_along_axis(log_probs, index[..., None], axis=-1)[..., 0]
     if where is None:
-        return -jnp.mean(picked)
-    where = jnp.asarray(where, bool)
-    total = jnp.sum(jnp.where(where, picked, jnp.zeros((), picked.dtype)))
-    count = jnp.maximum(jnp.sum(where), 1).astype(picked.dtype)
-    return -total / count
+        loss = -jnp.mean(picked)
+    else:
+        where = jnp.asarray(where, bool)
+        total = jnp.sum(jnp.where(where, picked, jnp.zeros((), picked.dtype)))
+        count = jnp.maximum(jnp.sum(where), 1).astype(picked.dtype)
+        loss = -total / count
+    return nan_unless(jnp.all(valid), loss)
 
 
 def target_log_probs(
@@ -68,6 +150,7 @@ def target_log_probs(
     *,
     vocab_axis: str | None = None,
     vocab_offset: jax.Array | int = 0,
+    vocab_size: int | None = None,
 ) -> jax.Array:
     r"""Log-probability of each label under ``log_normalize(log_scores)``, without building it.
 
@@ -80,15 +163,33 @@ def target_log_probs(
 
     Args:
       log_scores: ``[..., vocab]`` (or this shard's ``[..., M_local]``) log scores ``log g(z)``.
-      labels: ``[...]`` integer targets (global indices).
+      labels: ``[...]`` integer targets (global indices) in ``[0, vocab_size)``.
       vocab_axis: mesh axis the vocabulary is split over, or ``None``.
       vocab_offset: global index of this shard's first column.
+      vocab_size: number of real classes (global); default all columns, ``M_local`` times the
+        size of ``vocab_axis``. Smaller when the last columns are padding (a vocabulary
+        padded to split evenly over a mesh): a label there is out of range too.
 
     Returns:
       ``[...]`` log-probabilities of the labels, dtype at least float32.
+
+    Raises:
+      ValueError: concrete labels outside ``[0, vocab_size)``. Traced labels (under ``jit``,
+        inside ``shard_map``) cannot be read: an out-of-range one gets NaN, in value and
+        gradient, at its position.
     """
+    require_float("log_scores", log_scores)
+    require_ndim("log_scores", log_scores, 1, "[..., vocab]")
+    if not jnp.issubdtype(jnp.asarray(labels).dtype, jnp.integer):
+        raise ValueError(f"labels must have an integer dtype, got {jnp.asarray(labels).dtype}")
     scores = as_compute(log_scores)
     local_size = scores.shape[-1]
+    if vocab_size is None:
+        shards = 1 if vocab_axis is None else jax.lax.axis_size(vocab_axis)
+        vocab_size = local_size * shards
+    check_label_range(labels, vocab_size)
+    labels = jnp.asarray(labels)
+    valid = valid_labels(labels, vocab_size)
     local_labels = labels.astype(jnp.int32) - vocab_offset
     in_shard = (local_labels >= 0) & (local_labels < local_size)
     index = jnp.clip(local_labels, 0, local_size - 1)[..., None]
@@ -101,7 +202,7 @@ def target_log_probs(
     if vocab_axis is not None:
         sum_exp = jax.lax.psum(sum_exp, vocab_axis)
         picked = jax.lax.psum(picked, vocab_axis)
-    return picked - row_max - jnp.log(sum_exp)
+    return nan_unless(valid, picked - row_max - jnp.log(sum_exp))
 
 
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
@@ -134,6 +235,7 @@ def chunked_cross_entropy(
     labels: jax.Array,
     where: jax.Array | None = None,
     *,
+    vocab_size: int,
     elements_per_token: int,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     buffers_per_element: float = 4.0,
@@ -172,8 +274,10 @@ def chunked_cross_entropy(
         with ``token_constants`` it is called as ``(params, hidden, labels, constants)``.
       params: pytree of parameters (differentiable).
       hidden: ``[..., d]`` hidden states (differentiable).
-      labels: ``[...]`` integer targets.
+      labels: ``[...]`` integer targets in ``[0, vocab_size)``.
       where: optional ``[...]`` boolean mask of the positions that count.
+      vocab_size: ``M``, the number of classes (global, when the vocabulary is split); the
+        labels are checked against it here, whatever ``token_log_probs`` does with them.
       elements_per_token: size of the per-token intermediate (``M``, ``K * M`` for a mixture;
         this shard's columns when the vocabulary is split).
       memory_budget: bytes one chunk may use (on this device).
@@ -185,12 +289,20 @@ def chunked_cross_entropy(
 
     Returns:
       Scalar mean NLL (float32), equal to ``cross_entropy(log_probs, labels, where)``.
+
+    Raises:
+      ValueError: bad shapes or dtypes, or concrete labels outside ``[0, vocab_size)`` (at
+        masked positions too). Traced labels (under ``jit``, inside ``shard_map``) cannot be
+        read: any out-of-range one, masked or not, makes the loss and every gradient NaN
+        (on every shard), as :func:`cross_entropy` does.
     """
     require_float("hidden", hidden)
     require_ndim("hidden", hidden, 1, "[..., d]")
+    if not jnp.issubdtype(jnp.asarray(labels).dtype, jnp.integer):
+        raise ValueError(f"labels must have an integer dtype, got {jnp.asarray(labels).dtype}")
+    # Before the conversion: without x64, jnp.asarray wraps int64 values into int32 silently.
+    check_label_range(labels, vocab_size)
     labels = jnp.asarray(labels)
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(f"labels must have an integer dtype, got {labels.dtype}")
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(
             f"labels must have shape {hidden.shape[:-1]} (hidden {hidden.shape} without its "
@@ -221,6 +333,12 @@ def chunked_cross_entropy(
     if data_axis is not None:
         count = jax.lax.psum(count, data_axis)
     weights = mask.astype(jnp.float32) / jnp.maximum(count, 1.0)
+    # Out-of-range labels (masked or not) anywhere, on any shard: counted once here, they make
+    # the loss NaN through one scalar factor, whose cotangent (NaN) then scales every saved
+    # gradient in the custom VJP, so no parameter gets a plausible update either.
+    num_invalid = jnp.sum(~valid_labels(labels, vocab_size)).astype(jnp.float32)
+    if data_axis is not None:
+        num_invalid = jax.lax.psum(num_invalid, data_axis)
     chunk = chunk_size_for_budget(
         num_tokens, elements_per_token, memory_budget, buffers_per_element
     )
@@ -231,7 +349,7 @@ def chunked_cross_entropy(
     loss = _fused_weighted_nll(
         token_log_probs, chunk, data_axis, params, hidden_flat, labels_flat, weights, constants_flat
     )
-    return loss
+    return nan_unless(num_invalid == 0, loss)
 
 
 def _chunk_at(xs: Any, index: jax.Array, chunk: int) -> Any:

@@ -14,15 +14,38 @@ the others have a nonlinear ``log g`` and escape that bound.
 
 All functions accept any leading shape ``[..., vocab]`` (vocabulary on ``axis``), reduce in
 at least float32 (bfloat16/float16 inputs are promoted, float64 stays float64) and return
-log-probabilities in that dtype. Callers jit.
+log-probabilities in that dtype. Callers jit. An ``axis`` outside the array or an empty
+vocabulary (no distribution to normalize over) is a ``ValueError``.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 from bottleneck._checks import as_compute, require_float
+
+
+def vocab_axis(name: str, x: jax.Array, axis: int) -> int:
+    """``axis`` of ``x`` as a non-negative index; ``ValueError`` if out of range or empty.
+
+    Shared by every function that takes the vocabulary on ``axis`` (normalizers, losses,
+    mixtures): an empty vocabulary has no distribution, and would otherwise surface as an
+    obscure reduction error (``max`` of an empty axis) or an empty result.
+    """
+    shape = jnp.shape(x)
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(
+            f"axis {axis} is out of range for {name} with shape {shape} (vocabulary axis)"
+        )
+    axis %= len(shape)
+    if shape[axis] == 0:
+        raise ValueError(
+            f"{name} must have a non-empty vocabulary axis (axis {axis}), got shape {shape}"
+        )
+    return axis
 
 
 def log_normalize(log_scores: jax.Array, axis: int = -1) -> jax.Array:
@@ -39,8 +62,12 @@ def log_normalize(log_scores: jax.Array, axis: int = -1) -> jax.Array:
 
     Returns:
       ``[..., vocab]`` log-probabilities whose exponentials sum to one along ``axis``.
+
+    Raises:
+      ValueError: ``axis`` out of range, or an empty vocabulary axis.
     """
     require_float("log_scores", log_scores)
+    axis = vocab_axis("log_scores", log_scores, axis)
     s = as_compute(log_scores)
     # The maximum is only a shift for stability; its gradient contribution cancels exactly.
     row_max = jax.lax.stop_gradient(jnp.max(s, axis=axis, keepdims=True))
@@ -93,8 +120,10 @@ def sigmoid_log_scores(z: jax.Array) -> jax.Array:
 def relu_log_scores(z: jax.Array, eps: float = 1e-8) -> jax.Array:
     r"""``log g(z) = log(relu(z) + eps)`` for Kanai's ReLU-based normalizer (eq. 34)."""
     require_float("z", z)
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0 so that every log-probability is finite, got {eps}")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(
+            f"eps must be > 0 and finite so that every log-probability is finite, got {eps}"
+        )
     z = as_compute(z)
     return jnp.log(jax.nn.relu(z) + eps)
 
@@ -162,7 +191,8 @@ def log_relu_normalizer(z: jax.Array, axis: int = -1, eps: float = 1e-8) -> jax.
     Args:
       z: ``[..., vocab]`` logits.
       axis: the vocabulary axis.
-      eps: positive floor added to every score.
+      eps: positive, finite floor added to every score (``inf`` would make every score
+        infinite and every log-probability NaN, so it is refused like ``eps <= 0``).
 
     Returns:
       ``[..., vocab]`` log-probabilities (float32 or wider).

@@ -50,6 +50,29 @@ def _loss_and_grads(head, h, labels, where):
     return value, grads, grad_h
 
 
+# ReLU heads: logits kept at least this far from the kink at 0 (see _relu_bias).
+RELU_MARGIN = 0.1
+
+
+def _relu_bias(head, h) -> jax.Array:
+    """Bias [M] that keeps every ReLU-head logit at least RELU_MARGIN away from 0.
+
+    The ReLU normalizer's gradient is (p - 1[y]) / (relu(z) + eps): with a label's logit at
+    z = 2e-3 it is ~1/z, and its relative error equals that of z. The logits of the two layouts
+    differ by reduction-order round-off (~6e-8 here, CPU-dependent), so such a logit turned that
+    into 6e-5 of absolute gradient deviation (fails 1e-5 on some CPUs) - an ill-conditioned
+    input, not a sharding error. Rather than loosen the bound, the inputs avoid the kink: +1 on
+    even columns, -1 on odd ones, so both branches of relu are still exercised (z < 0 gives the
+    constant score log eps and a zero gradient) while |z| >= RELU_MARGIN keeps the gradient and
+    its conditioning O(1/RELU_MARGIN). Checked, so a change of initialisation cannot
+    silently bring the kink back.
+    """
+    bias = jnp.where(jnp.arange(VOCAB_SIZE) % 2 == 0, 1.0, -1.0)
+    z = h @ head.decoder[...][:VOCAB_SIZE].T + bias
+    assert float(jnp.min(jnp.abs(z))) >= RELU_MARGIN, "relu logits too close to the kink"
+    return bias
+
+
 def head_case(name: str, mesh_spec: str, memory_budget: int) -> float:
     """Loss and gradients of a vocab/data-parallel head equal the single-device ones."""
     mesh = make_mesh(mesh_spec)
@@ -68,10 +91,14 @@ def head_case(name: str, mesh_spec: str, memory_budget: int) -> float:
             assert not np.any(np.asarray(value[VOCAB_SIZE:])), f"padding rows of {key} are not 0"
             value = value[:VOCAB_SIZE]
         assert jax.tree.all(jax.tree.map(np.array_equal, value, single_params[key])), key
-    shard_model(sharded, mesh)
 
     keys = jax.random.split(jax.random.key(1), 3)
     h = jax.random.normal(keys[0], (TOKENS, DIM))
+    if name == "relu":
+        bias = _relu_bias(single, h)
+        single.bias[...] = bias
+        sharded.bias[...] = jnp.pad(bias, (0, sharded.bias.shape[0] - VOCAB_SIZE))
+    shard_model(sharded, mesh)
     labels = jax.random.randint(keys[1], (TOKENS,), 0, VOCAB_SIZE)
     where = jax.random.bernoulli(keys[2], 0.8, (TOKENS,))
     want_loss, want_grads, want_h = _loss_and_grads(single, h, labels, where)
@@ -125,6 +152,64 @@ def bad_shapes_case() -> float:
     return 1.0
 
 
+BAD_LABEL_HEADS = ("softmax", "relu", "plif", "mos", "mos_plif")
+
+
+def bad_labels_case(mesh_spec: str) -> float:
+    """Out-of-range labels on a mesh: ``ValueError`` when concrete, NaN under ``jit``.
+
+    Labels 37..39 fall in the decoder's padding rows on ``vocab=4`` (40 rows for 37 words):
+    out of range too, not a log-probability of -inf. 0.0 if every head behaves, else 1.0.
+    """
+    mesh = make_mesh(mesh_spec)
+    keys = jax.random.split(jax.random.key(2), 3)
+    h = shard_batch(jax.random.normal(keys[0], (TOKENS, DIM)), mesh)
+    labels = shard_batch(jax.random.randint(keys[1], (TOKENS,), 0, VOCAB_SIZE), mesh)
+    where = shard_batch(jax.random.bernoulli(keys[2], 0.8, (TOKENS,)), mesh)
+    for name in BAD_LABEL_HEADS:
+        head = shard_model(
+            nn.make_head(
+                name, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), mesh=mesh, memory_budget=2_000,
+                **OPTIONS.get(name, {}),
+            ),
+            mesh,
+        )  # fmt: skip
+        graphdef, state = nnx.split(head)
+
+        @jax.jit
+        def run(state, h, labels, where, graphdef=graphdef):
+            loss = lambda s: nnx.merge(graphdef, s).loss(h, labels, where)  # noqa: E731
+            value, grads = jax.value_and_grad(loss)(state)
+            return value, grads, nnx.merge(graphdef, state).label_log_probs(h, labels)
+
+        for bad in (VOCAB_SIZE, VOCAB_SIZE + 2, 10**6, -1):
+            bad_labels = labels.at[13].set(bad)
+            for masked in (False, True):
+                value, grads, log_probs = run(state, h, bad_labels, where.at[13].set(not masked))
+                case = f"{name}, label {bad}, masked={masked}"
+                if not bool(jnp.isnan(value)):
+                    return _failed(f"{case}: loss {float(value)} under jit")
+                if not all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree.leaves(grads)):
+                    return _failed(f"{case}: a finite gradient under jit")
+                nan = np.arange(TOKENS) == 13
+                if not np.array_equal(np.isnan(np.asarray(log_probs)), nan):
+                    return _failed(f"{case}: label_log_probs NaN at {np.isnan(log_probs)}")
+            for method in (head.loss, head.label_log_probs):
+                try:
+                    method(h, bad_labels)
+                except ValueError as err:
+                    if "labels must lie in [0, 37)" not in str(err):
+                        return _failed(f"{name}.{method.__name__}, label {bad}: {err}")
+                else:
+                    return _failed(f"{name}.{method.__name__}, label {bad}: no ValueError")
+    return 0.0
+
+
+def _failed(reason: str) -> float:
+    print(reason, file=sys.stderr)
+    return 1.0
+
+
 def data_divides_case() -> float:
     """--mesh checks: 0.0 if a batch of 3 is refused on data=8 and one of 16 accepted."""
     require_data_divides("data=2,vocab=4", "batch_size", 16)
@@ -148,6 +233,7 @@ def main() -> None:
         results[f"head:mos_plif:{mesh_spec}:chunked"] = head_case("mos_plif", mesh_spec, 2_000)
         results[f"synthetic:{mesh_spec}"] = synthetic_case(mesh_spec)
     results["errors:bad_shapes"] = bad_shapes_case()
+    results["errors:bad_labels:data=2,vocab=4"] = bad_labels_case("data=2,vocab=4")
     results["errors:data_divides"] = data_divides_case()
     json.dump(results, sys.stdout)
 

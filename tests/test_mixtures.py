@@ -98,3 +98,54 @@ def test_mixture_rank_exceeds_single_softmax_bound():
 def test_bad_shapes_raise(components, log_weights, message):
     with pytest.raises(ValueError, match=message):
         bn.mixture_log_probs(components, log_weights)
+
+
+@pytest.mark.parametrize("axis", [2, -2, 1, -3])
+def test_vocabulary_on_any_axis(axis):
+    """Components just before the vocabulary axis; equal to the axis=-1 result on moved axes."""
+    keys = jax.random.split(jax.random.key(4), 2)
+    components = bn.log_softmax(jax.random.normal(keys[0], (2, 3, 7, 5)), axis=-1)  # [B, T, K, M]
+    log_weights = bn.log_softmax(jax.random.normal(keys[1], (2, 3, 7)), axis=-1)  # [B, T, K]
+    want = bn.mixture_log_probs(components, log_weights)  # [B, T, M]
+    vocab = axis % 4
+    # Move (K, M) to (vocab - 1, vocab), and K to vocab - 1 in the weights.
+    moved = jnp.moveaxis(components, (2, 3), (vocab - 1, vocab))
+    moved_weights = jnp.moveaxis(log_weights, 2, vocab - 1)
+    got = jax.jit(bn.mixture_log_probs, static_argnums=2)(moved, moved_weights, axis)
+    np.testing.assert_allclose(got, jnp.moveaxis(want, -1, vocab - 1), rtol=1e-6, atol=1e-6)
+    grad = lambda f, *a: jax.grad(lambda c, w: jnp.sum(jnp.sin(f(c, w, *a))), argnums=(0, 1))  # noqa: E731
+    got_grads = grad(bn.mixture_log_probs, axis)(moved, moved_weights)
+    want_grads = grad(bn.mixture_log_probs)(components, log_weights)
+    np.testing.assert_allclose(
+        got_grads[0], jnp.moveaxis(want_grads[0], (2, 3), (vocab - 1, vocab)), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        got_grads[1], jnp.moveaxis(want_grads[1], 2, vocab - 1), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_vocabulary_axis_with_broadcast_weights():
+    components = bn.log_softmax(jax.random.normal(jax.random.key(5), (2, 3, 5, 4)), axis=2)
+    log_weights = bn.log_softmax(jax.random.normal(jax.random.key(6), (3, 4)), axis=0)  # [K, T]
+    got = bn.mixture_log_probs(components, log_weights, axis=2)  # [B, M, T]
+    want = bn.mixture_log_probs(jnp.moveaxis(components, 3, 1), log_weights.T)  # [B, T, M]
+    np.testing.assert_allclose(got, jnp.moveaxis(want, 1, 2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "components, log_weights, axis, message",
+    [
+        (jnp.zeros((3, 5)), jnp.zeros((3,)), 2, "axis 2 is out of range for component_log_probs"),
+        (jnp.zeros((3, 5)), jnp.zeros((5,)), 0, "components K just before the vocabulary axis 0"),
+        (
+            jnp.zeros((2, 3, 5)),
+            jnp.zeros((3, 5)),
+            1,
+            r"log_weights must have shape \[\.\.\., K, 5\] with K = 2",
+        ),
+        (jnp.zeros((0, 5)), jnp.zeros((0,)), -1, r"at least one component \(K >= 1\)"),
+    ],
+)
+def test_bad_axis_raises(components, log_weights, axis, message):
+    with pytest.raises(ValueError, match=message):
+        bn.mixture_log_probs(components, log_weights, axis=axis)

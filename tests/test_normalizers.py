@@ -96,9 +96,32 @@ def test_integer_logits_rejected(normalizer):
         normalizer(jnp.arange(4))
 
 
-def test_relu_eps_must_be_positive():
-    with pytest.raises(ValueError, match="eps must be > 0"):
-        bn.log_relu_normalizer(jnp.zeros(3), eps=0.0)
+@pytest.mark.parametrize("eps", [0.0, -1e-8, float("inf"), float("nan")])
+def test_relu_eps_must_be_positive_and_finite(eps):
+    """eps = inf made every score infinite and every log-probability NaN, silently."""
+    with pytest.raises(ValueError, match="eps must be > 0 and finite"):
+        bn.log_relu_normalizer(jnp.zeros(3), eps=eps)
+
+
+@pytest.mark.parametrize(
+    "normalizer", [*NORMALIZERS, bn.log_normalize], ids=[*IDS, "log_normalize"]
+)
+@pytest.mark.parametrize("shape, axis", [((2, 0), -1), ((0,), 0), ((3, 0, 2), 1)])
+def test_empty_vocabulary_raises(normalizer, shape, axis):
+    """No distribution over an empty vocabulary: a clear error naming the axis."""
+    with pytest.raises(
+        ValueError, match=rf"must have a non-empty vocabulary axis \(axis {axis % len(shape)}\)"
+    ):
+        normalizer(jnp.zeros(shape), axis=axis)
+    normalizer(jnp.zeros((0, 3)), axis=-1)  # an empty batch is fine
+
+
+@pytest.mark.parametrize("normalizer", NORMALIZERS, ids=IDS)
+def test_axis_out_of_range_raises(normalizer):
+    with pytest.raises(
+        ValueError, match=r"axis 2 is out of range for log_scores with shape \(4, 3\)"
+    ):
+        normalizer(jnp.zeros((4, 3)), axis=2)
 
 
 def _low_rank_logits(num_contexts, vocab, dim, key):

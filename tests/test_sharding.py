@@ -45,7 +45,7 @@ MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
 CASES = [f"head:{name}:{mesh}" for mesh in MESHES for name in nn.HEAD_NAMES]
 CASES += [f"head:mos_plif:{mesh}:chunked" for mesh in MESHES]
 CASES += [f"synthetic:{mesh}" for mesh in MESHES]
-CASES += ["errors:bad_shapes", "errors:data_divides"]
+CASES += ["errors:bad_shapes", "errors:bad_labels:data=2,vocab=4", "errors:data_divides"]
 
 
 @pytest.mark.parametrize("case", CASES)

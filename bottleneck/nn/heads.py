@@ -16,6 +16,8 @@ NLL through :func:`bottleneck.losses.chunked_cross_entropy`, which never holds t
 from __future__ import annotations
 
 import functools
+import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +27,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bottleneck.losses import DEFAULT_MEMORY_BUDGET, chunked_cross_entropy, target_log_probs
+from bottleneck.losses import (
+    DEFAULT_MEMORY_BUDGET,
+    check_label_range,
+    chunked_cross_entropy,
+    target_log_probs,
+)
 from bottleneck.mixtures import mixture_log_probs
 from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
 from bottleneck.normalizers import (
@@ -36,6 +43,45 @@ from bottleneck.normalizers import (
     softmax_log_scores,
 )
 from bottleneck.sharding import DATA, VOCAB, axis_size, padded_vocab_size
+
+
+def _require_int(name: str, value: Any, minimum: int, why: str = "") -> int:
+    """``value`` as an ``int`` >= ``minimum``; ``ValueError`` naming the option otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}{why}, got {value!r}")
+    return number
+
+
+def _require_finite(name: str, value: Any, *, positive: bool) -> float:
+    """``value`` as a finite float, > 0 (``positive``) or >= 0; ``ValueError`` naming it."""
+    bound = "> 0" if positive else ">= 0"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}") from None
+    if not math.isfinite(number) or not (number > 0 if positive else number >= 0):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return number
+
+
+def _check_plif_options(num_knots: Any, bound: Any, plif_noise: Any) -> tuple[int, float, float]:
+    """PLIF options of a head, refused when degenerate (one knot, a non-finite bound, ...)."""
+    num_knots = _require_int(
+        "num_knots",
+        num_knots,
+        2,
+        " (one knot makes the PLIF affine, f(z) = s z + c: a softmax with a learned "
+        "temperature, not a nonlinear map)",
+    )
+    bound = _require_finite("bound", bound, positive=True)
+    plif_noise = _require_finite("plif_noise", plif_noise, positive=False)
+    return num_knots, bound, plif_noise
 
 
 def uniform_init(scale: float) -> Callable[..., jax.Array]:
@@ -95,6 +141,7 @@ class OutputHead(nnx.Module):
             raise ValueError(
                 f"in_features and vocab_size must be >= 1, got {in_features} and {vocab_size}"
             )
+        _require_finite("memory_budget", memory_budget, positive=True)  # bytes
         self.in_features = in_features
         self.vocab_size = vocab_size
         self.memory_budget = memory_budget
@@ -185,6 +232,18 @@ class OutputHead(nnx.Module):
         if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != self.in_features:
             raise ValueError(f"h must have shape [..., {self.in_features}], got {jnp.shape(h)}")
 
+    def _check_labels(self, labels: jax.Array) -> None:
+        """Integer dtype, and concrete labels within ``[0, vocab_size)`` (at masked positions too).
+
+        Traced labels cannot be read here; an out-of-range one makes :meth:`loss` NaN and its
+        :meth:`label_log_probs` entry NaN instead (:func:`~bottleneck.losses.target_log_probs`
+        and :func:`~bottleneck.losses.chunked_cross_entropy` check them in the computation,
+        on every mesh; a label in a vocabulary's padding columns is out of range too).
+        """
+        if not jnp.issubdtype(jnp.asarray(labels).dtype, jnp.integer):
+            raise ValueError(f"labels must have an integer dtype, got {jnp.asarray(labels).dtype}")
+        check_label_range(labels, self.vocab_size)
+
     def _scores(self, inputs: jax.Array, first_column: jax.Array | int = 0) -> jax.Array:
         """``log_scores(W x + b)`` for this shard's columns, padding columns at ``-inf``."""
         scores = self.log_scores(self.logits(inputs))
@@ -235,8 +294,12 @@ class OutputHead(nnx.Module):
         With a mesh it runs under ``shard_map`` (:meth:`_on_mesh`): tokens split on ``data``,
         decoder columns on ``vocab``, and :func:`~bottleneck.losses.target_log_probs` combines
         the shards. ``latent_mask``: see :meth:`loss`.
+
+        Labels must lie in ``[0, M)``: a ``ValueError`` for concrete labels, NaN at the
+        position of an out-of-range one under tracing (``jit``), never a plausible number.
         """
         self._check_hidden(h)
+        self._check_labels(labels)
         constants = self._per_token_latent_mask(h, latent_mask)
         if self.mesh is None:
             return self._shard_label_log_probs(h, labels, None, constants)
@@ -309,6 +372,7 @@ class OutputHead(nnx.Module):
             jnp.broadcast_to(labels[..., None], scores.shape[:-1]),
             vocab_axis=vocab_axis,
             vocab_offset=first_column,
+            vocab_size=self.vocab_size,
         )
         if log_prior is None:
             return per_component[..., 0]
@@ -333,7 +397,9 @@ class OutputHead(nnx.Module):
 
         Args:
           h: ``[..., d]`` hidden states.
-          labels: ``[...]`` integer targets in ``[0, M)``.
+          labels: ``[...]`` integer targets in ``[0, M)``, at masked positions too (pad
+            with 0, say). Out of range: ``ValueError`` for concrete labels; under tracing
+            (``jit``) the loss and its gradients are NaN, on every mesh.
           where: optional ``[...]`` boolean mask.
           latent_mask: mixture heads only: a multiplicative mask on the latents ``h_k``,
             ``[..., K * d']`` or broadcastable to it (Yang et al.'s latent dropout, e.g. a locked
@@ -343,6 +409,7 @@ class OutputHead(nnx.Module):
           Scalar float32 loss.
         """
         self._check_hidden(h)
+        self._check_labels(labels)
         constants = self._per_token_latent_mask(h, latent_mask)
         graphdef, state = nnx.split(self)
         vocab_axis = VOCAB if self.vocab_parallel else None
@@ -360,6 +427,7 @@ class OutputHead(nnx.Module):
                 labels,
                 where,
                 token_constants=constants,
+                vocab_size=self.vocab_size,
                 # This device's columns and its share of the budget (all devices together
                 # hold one chunk of the given budget, as on one device).
                 elements_per_token=-(-self.elements_per_token // axis_size(self.mesh, VOCAB)),
@@ -407,7 +475,7 @@ class ReLUHead(OutputHead):
         self, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, eps: float = 1e-8, **options
     ):
         super().__init__(in_features, vocab_size, rngs=rngs, **options)
-        self.eps = eps
+        self.eps = _require_finite("eps", eps, positive=True)
 
     def log_scores(self, z: jax.Array) -> jax.Array:
         return relu_log_scores(z, eps=self.eps)
@@ -417,9 +485,13 @@ class PLIFHead(OutputHead):
     """``log_softmax(plif(W h + b))``: LMS-PLIF (Ganea et al. 2019).
 
     Args:
-      num_knots: ``K`` segments of the PLIF on ``[-bound, bound]`` (10^5 in the paper).
-      bound: ``T``.
-      plif_noise: std of the Gaussian noise added to the identity slopes at init.
+      num_knots: ``K >= 2`` segments of the PLIF on ``[-bound, bound]`` (10^5 in the paper).
+        ``bn.plif`` takes ``K = 1`` (an affine map), but a head refuses it: ``log_softmax``
+        of an affine map of the logits is a softmax with a learned temperature, not the
+        nonlinear map a PLIF head stands for.
+      bound: ``T``, finite and > 0.
+      plif_noise: std (finite, >= 0) of the Gaussian noise added to the identity slopes at
+        init.
       (others as :class:`OutputHead`.) The slopes are the parameter ``raw_slopes``; give
       them their own learning rate with :func:`param_labels`.
     """
@@ -437,6 +509,7 @@ class PLIFHead(OutputHead):
         plif_noise: float = 0.0,
         **options,
     ):
+        num_knots, bound, plif_noise = _check_plif_options(num_knots, bound, plif_noise)
         super().__init__(in_features, vocab_size, rngs=rngs, **options)
         self.bound = bound
         self.raw_slopes = nnx.Param(plif_init(rngs.params(), num_knots, noise=plif_noise))
@@ -455,6 +528,7 @@ class MonotoneMLPHead(OutputHead):
     def __init__(
         self, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, num_hidden: int = 16, **options
     ):
+        num_hidden = _require_int("num_hidden", num_hidden, 1)
         super().__init__(in_features, vocab_size, rngs=rngs, **options)
         self.monotone = nnx.data(
             {k: nnx.Param(v) for k, v in monotone_mlp_init(rngs.params(), num_hidden).items()}
@@ -488,10 +562,12 @@ class MixtureHead(OutputHead):
     (MoS over PLIF-mapped logits, Ganea et al.). All mixing is in log space.
 
     Args:
-      num_components: ``K`` (15 in Yang et al.).
+      num_components: ``K >= 1`` (15 in Yang et al.).
       normalizer: see above.
-      latent_features: ``d'``, the width of each ``h_k`` and of the decoder (default ``d``).
-      num_knots, bound, plif_noise: PLIF options for ``normalizer="plif"``.
+      latent_features: ``d' >= 1``, the width of each ``h_k`` and of the decoder (default
+        ``d``).
+      num_knots, bound, plif_noise: PLIF options for ``normalizer="plif"``, checked as
+        :class:`PLIFHead`'s.
       (others as :class:`OutputHead`; a tied embedding must be ``[M, d']``.)
     """
 
@@ -513,9 +589,12 @@ class MixtureHead(OutputHead):
             raise ValueError(
                 f"normalizer must be one of {_MIXTURE_NORMALIZERS}, got {normalizer!r}"
             )
-        if num_components < 1:
-            raise ValueError(f"num_components must be >= 1, got {num_components}")
-        self.latent_features = latent_features or in_features
+        num_components = _require_int("num_components", num_components, 1)
+        if latent_features is not None:
+            latent_features = _require_int("latent_features", latent_features, 1)
+        # Checked whatever the normalizer, so that no degenerate option passes silently.
+        num_knots, bound, plif_noise = _check_plif_options(num_knots, bound, plif_noise)
+        self.latent_features = in_features if latent_features is None else latent_features
         self._num_components = num_components
         super().__init__(in_features, vocab_size, rngs=rngs, **options)
         self.normalizer = normalizer

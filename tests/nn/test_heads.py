@@ -223,12 +223,106 @@ def test_bfloat16_parameters_accumulate_in_float32():
             "num_components must be >= 1",
         ),
         (lambda: nn.SoftmaxHead(D, 0, rngs=nnx.Rngs(0)), "vocab_size must be >= 1"),
-        (lambda: make("plif", num_knots=0), "num_knots must be >= 1"),
+        (lambda: make("plif", num_knots=0), "num_knots must be >= 2"),
     ],
 )
 def test_bad_construction_raises(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        # One knot: an affine PLIF, i.e. a softmax with a learned temperature.
+        ("plif", {"num_knots": 1}, r"num_knots must be >= 2 \(one knot makes the PLIF affine"),
+        ("mos_plif", {"num_knots": 1}, "num_knots must be >= 2"),
+        ("plif", {"num_knots": 2.5}, "num_knots must be an integer"),
+        ("plif", {"bound": 0.0}, "bound must be a finite number > 0"),
+        ("plif", {"bound": -1.0}, "bound must be a finite number > 0"),
+        ("plif", {"bound": float("inf")}, "bound must be a finite number > 0"),
+        ("plif", {"bound": float("nan")}, "bound must be a finite number > 0"),
+        ("mos_plif", {"bound": float("inf")}, "bound must be a finite number > 0"),
+        ("plif", {"plif_noise": -1.0}, "plif_noise must be a finite number >= 0"),
+        ("plif", {"plif_noise": float("nan")}, "plif_noise must be a finite number >= 0"),
+        ("mos", {"num_components": 0}, "num_components must be >= 1"),
+        ("moss", {"num_components": -2}, "num_components must be >= 1"),
+        # latent_features=0 silently meant "d" before.
+        ("mos", {"latent_features": 0}, "latent_features must be >= 1"),
+        ("monotone_mlp", {"num_hidden": 0}, "num_hidden must be >= 1"),
+        ("relu", {"eps": 0.0}, "eps must be a finite number > 0"),
+        ("relu", {"eps": float("inf")}, "eps must be a finite number > 0"),
+        ("relu", {"eps": float("nan")}, "eps must be a finite number > 0"),
+        ("softmax", {"memory_budget": 0}, "memory_budget must be a finite number > 0"),
+    ],
+)
+def test_degenerate_options_are_refused(name, options, message):
+    """Checked when the head is built, naming the option, not when (or if) it misbehaves."""
+    with pytest.raises(ValueError, match=message):
+        make(name, **options)
+
+
+def test_two_knots_and_one_component_are_accepted():
+    make("plif", num_knots=2)
+    make("mos", num_components=1)
+    make("mos_plif", num_components=1, num_knots=2)
+
+
+# M itself, far beyond M, negative (jnp indexing would wrap it to the last class).
+BAD_LABELS = [M, 10**6, -1]
+
+
+def _with_bad_label(labels, bad):
+    return labels.at[1, 4].set(bad)
+
+
+@pytest.mark.parametrize("name", nn.HEAD_NAMES)
+@pytest.mark.parametrize("bad", BAD_LABELS, ids=str)
+def test_out_of_range_labels_raise_when_concrete(name, bad):
+    """Before: loss 4.62, a plausible number, for each of these labels."""
+    head = make(name)
+    h, labels, where = _inputs()
+    labels = _with_bad_label(labels, bad)
+    message = r"labels must lie in \[0, 64\)"
+    with pytest.raises(ValueError, match=message):
+        head.loss(h, labels)
+    with pytest.raises(ValueError, match=message):  # masked positions are checked too
+        head.loss(h, labels, where.at[1, 4].set(False))
+    with pytest.raises(ValueError, match=message):
+        head.label_log_probs(h, labels)
+    with pytest.raises(ValueError, match=message):  # NumPy int64 labels: not narrowed first
+        head.loss(h, np.asarray(labels, np.int64).clip(0) + np.int64(2**32) * (bad < 0))
+
+
+@pytest.mark.parametrize("name", ["softmax", "relu", "plif", "mos", "mos_plif"])
+@pytest.mark.parametrize("memory_budget", [2**30, 10_000], ids=["one_chunk", "many_chunks"])
+def test_out_of_range_labels_give_nan_under_jit(name, memory_budget):
+    """Traced labels cannot be checked in Python: loss, gradients and that label's log-prob
+    are NaN (masked position or not), every other log-prob unchanged."""
+    head = make(name, memory_budget=memory_budget)
+    graphdef, state = nnx.split(head)
+    h, labels, where = _inputs()
+
+    @jax.jit
+    def run(state, h, labels, where):
+        model = nnx.merge(graphdef, state)
+        loss, grads = jax.value_and_grad(lambda s: nnx.merge(graphdef, s).loss(h, labels, where))(
+            state
+        )
+        return loss, grads, model.label_log_probs(h, labels)
+
+    _, _, want_log_probs = run(state, h, labels, where)
+    for bad in BAD_LABELS:
+        for masked in (False, True):
+            loss, grads, log_probs = run(
+                state, h, _with_bad_label(labels, bad), where.at[1, 4].set(not masked)
+            )
+            assert bool(jnp.isnan(loss)), (bad, masked, loss)
+            assert bool(jnp.all(jnp.isnan(grads["decoder"][...]))), (bad, masked)
+            nan = np.zeros(labels.shape, bool)
+            nan[1, 4] = True
+            np.testing.assert_array_equal(np.isnan(log_probs), nan)
+            np.testing.assert_array_equal(log_probs[~nan], want_log_probs[~nan])
 
 
 def test_bad_call_arguments_raise():
