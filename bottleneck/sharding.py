@@ -51,12 +51,22 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None, num_devices: int) -> d
     unknown = set(sizes) - set(MESH_AXES)
     if unknown or any(v < 1 for v in sizes.values()):
         raise ValueError(f"mesh axes must be {MESH_AXES} with sizes >= 1, got {sizes}")
+    cpu_hint = (
+        "; on CPU, run with XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices"
+    )
     if DATA not in sizes:
-        sizes[DATA] = num_devices // sizes.get(VOCAB, 1)
+        vocab = sizes.get(VOCAB, 1)
+        if num_devices % vocab:
+            raise ValueError(
+                f"mesh {spec!r}: vocab={vocab} does not divide the {num_devices} available "
+                f"device(s){cpu_hint}"
+            )
+        sizes[DATA] = num_devices // vocab
     sizes.setdefault(VOCAB, 1)
     if sizes[DATA] * sizes[VOCAB] != num_devices:
         raise ValueError(
-            f"mesh {sizes} uses {sizes[DATA] * sizes[VOCAB]} devices but {num_devices} are available"
+            f"mesh {spec!r} needs data x vocab = {sizes[DATA] * sizes[VOCAB]} devices but "
+            f"{num_devices} are available{cpu_hint}"
         )
     return {DATA: sizes[DATA], VOCAB: sizes[VOCAB]}
 

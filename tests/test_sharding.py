@@ -169,15 +169,19 @@ def test_parse_mesh_spec(spec, devices, sizes):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("data=3", "uses 3 devices but 8 are available"),
+        ("data=3", "needs data x vocab = 3 devices but 8 are available"),
+        ("data=2,vocab=8", "needs data x vocab = 16 devices but 8 are available"),
+        ("vocab=3", "vocab=3 does not divide the 8 available device"),
         ("model=8", "mesh must look like 'data=4,vocab=2'"),
         ("data=two", "mesh must look like"),
         ("data=0,vocab=8", "sizes >= 1"),
     ],
 )
 def test_parse_mesh_spec_errors(spec, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as error:
         parse_mesh_spec(spec, 8)
+    if "devices but" in message or "does not divide" in message:  # how to get devices on CPU
+        assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in str(error.value)
 
 
 def test_padded_vocab_size():

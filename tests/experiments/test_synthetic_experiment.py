@@ -61,7 +61,8 @@ def test_same_seed_same_results(smoke_runs):
         (["--dims", "0,4"], "every d in dims must be >= 1"),
         (["--alphas", "-0.1"], "every alpha must be > 0"),
         (["--preset", "huge"], "invalid choice: 'huge'"),
-        (["--mesh", "data=3"], "uses 3 devices but 1 are available"),
+        (["--mesh", "data=3"], "needs data x vocab = 3 devices but 1 are available"),
+        (["--mesh", "vocab=8"], "xla_force_host_platform_device_count"),
     ],
 )
 def test_bad_cli_values_exit_with_message(args, message, tmp_path):
