@@ -94,7 +94,7 @@ class Config:
     optimizer: str = dataclasses.field(default="sgd", metadata={"help": "sgd (NT-ASGD) | adam"})
     lr: float = 20.0
     plif_lr: float = dataclasses.field(default=0.02, metadata={"help": "PLIF slopes' own lr"})
-    batch_size: int = 32
+    batch_size: int = 64
     bptt: int = 35
     nonmono: int = dataclasses.field(
         default=1, metadata={"help": "NT-ASGD: average after N epochs without improvement"}
@@ -105,7 +105,7 @@ class Config:
     eval_tokens: int | None = dataclasses.field(
         default=None, metadata={"help": "first N validation / test tokens only; none: all"}
     )
-    epochs: int = dataclasses.field(default=4, metadata={"help": "budget per cell"})
+    epochs: int = dataclasses.field(default=3, metadata={"help": "budget per cell"})
     patience: int = dataclasses.field(default=2, metadata={"help": "early-stopping patience"})
     # the rank analysis
     rank_d: int | None = dataclasses.field(
