@@ -35,8 +35,8 @@ def _check_plif_args(x: jax.Array, raw_slopes: jax.Array, bound: float) -> None:
         raise ValueError(
             f"raw_slopes must have shape [num_knots] with num_knots >= 1, got {jnp.shape(raw_slopes)}"
         )
-    if not bound > 0:
-        raise ValueError(f"bound must be > 0, got {bound}")
+    if not 0 < bound < math.inf:  # inf would make the knot spacing inf and every value NaN
+        raise ValueError(f"bound must be finite and > 0, got {bound}")
 
 
 def _plif_table(raw_slopes: jax.Array, bound: float, dtype: jnp.dtype) -> jax.Array:
@@ -148,8 +148,8 @@ def plif_init(key: jax.Array, num_knots: int, noise: float = 0.0) -> jax.Array:
     """
     if num_knots < 1:
         raise ValueError(f"num_knots must be >= 1, got {num_knots}")
-    if noise < 0:
-        raise ValueError(f"noise must be >= 0, got {noise}")
+    if not 0 <= noise < math.inf:
+        raise ValueError(f"noise must be finite and >= 0, got {noise}")
     raw = jnp.full((num_knots,), IDENTITY_RAW_SLOPE, jnp.float32)
     if noise:
         raw = raw + noise * jax.random.normal(key, (num_knots,), jnp.float32)

@@ -1,3 +1,5 @@
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -136,7 +138,11 @@ def test_plif_bfloat16_inputs_compute_in_float32():
     "call, message",
     [
         (lambda: bn.plif_init(jax.random.key(0), 0), "num_knots must be >= 1"),
-        (lambda: bn.plif(jnp.zeros(3), jnp.zeros(4), bound=0.0), "bound must be > 0"),
+        (lambda: bn.plif(jnp.zeros(3), jnp.zeros(4), bound=0.0), "bound must be finite and > 0"),
+        (lambda: bn.plif(jnp.zeros(3), jnp.zeros(4), bound=math.inf), "bound must be finite"),
+        (lambda: bn.plif(jnp.zeros(3), jnp.zeros(4), bound=math.nan), "bound must be finite"),
+        (lambda: bn.plif_init(jax.random.key(0), 4, noise=math.nan), "noise must be finite"),
+        (lambda: bn.plif_init(jax.random.key(0), 4, noise=-1.0), "noise must be finite and >= 0"),
         (
             lambda: bn.plif(jnp.zeros(3), jnp.zeros((2, 4))),
             r"raw_slopes must have shape \[num_knots\]",
