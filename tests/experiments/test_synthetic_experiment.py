@@ -61,6 +61,8 @@ def test_same_seed_same_results(smoke_runs):
         (["--dims", "0,4"], "every d in dims must be >= 1"),
         (["--alphas", "-0.1"], "every alpha must be > 0"),
         (["--preset", "huge"], "invalid choice: 'huge'"),
+        (["--learning_rate", "nan"], "learning_rate must be finite, got nan"),
+        (["--alphas", "0.1,inf"], "alphas must be finite"),
         (["--mesh", "data=3"], "needs data x vocab = 3 devices but 1 are available"),
         (["--mesh", "vocab=8"], "xla_force_host_platform_device_count"),
     ],
@@ -69,3 +71,19 @@ def test_bad_cli_values_exit_with_message(args, message, tmp_path):
     result = _run(*args, "--out_dir", str(tmp_path))
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_another_experiments_folder_and_a_file_are_refused_in_one_line(tmp_path):
+    run = tmp_path / "lm"
+    run.mkdir()
+    config = json.dumps({"experiment": "language_model", "config": {}})
+    (run / "config.json").write_text(config)
+    result = _run("--preset", "smoke", "--out_dir", str(run))
+    assert result.returncode == 2
+    assert "holds a run of language_model, not of synthetic" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (run / "config.json").read_text() == config  # untouched
+    (tmp_path / "file").write_text("x")
+    result = _run("--preset", "smoke", "--out_dir", str(tmp_path / "file"))
+    assert result.returncode == 2 and "exists and is not a folder" in result.stderr
+    assert "Traceback" not in result.stderr
