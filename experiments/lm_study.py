@@ -114,7 +114,7 @@ class Config:
     eval_tokens: int | None = dataclasses.field(
         default=None, metadata={"help": "first N validation / test tokens only; none: all"}
     )
-    epochs: int = dataclasses.field(default=3, metadata={"help": "budget per cell"})
+    epochs: int = dataclasses.field(default=2, metadata={"help": "budget per cell"})
     patience: int = dataclasses.field(default=2, metadata={"help": "early-stopping patience"})
     # the rank analysis
     rank_d: int | None = dataclasses.field(
