@@ -16,6 +16,7 @@ NLL through :func:`bottleneck.losses.chunked_cross_entropy`, which never holds t
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 from collections.abc import Callable
@@ -666,14 +667,27 @@ def make_head(
     """Builds a head by name (for CLIs): one of :data:`HEAD_NAMES`.
 
     ``"mos"``, ``"moss"`` and ``"mos_plif"`` are :class:`MixtureHead` with the softmax,
-    sigsoftmax and PLIF normalizer. ``options`` go to the head's constructor.
+    sigsoftmax and PLIF normalizer. ``options`` go to the head's constructor; an option the head
+    does not take is a ``ValueError`` that lists those it does.
     """
     if name not in _HEADS:
         raise ValueError(f"unknown head {name!r}; choose one of {', '.join(HEAD_NAMES)}")
+    accepted = _COMMON_OPTIONS + _HEAD_OPTIONS.get(name, ())
+    refused = sorted(set(options) - set(accepted))
+    if refused:
+        raise ValueError(
+            f"head {name!r} takes no option {', '.join(refused)}; it takes {', '.join(accepted)}"
+        )
     head_cls, fixed = _HEADS[name]
     return head_cls(in_features, vocab_size, rngs=rngs, **fixed, **options)
 
 
+# Every head's constructor takes OutputHead's keyword options; presets add their own.
+_COMMON_OPTIONS = tuple(
+    name
+    for name, parameter in inspect.signature(OutputHead.__init__).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "rngs"
+)
 _PLIF_OPTIONS = ("num_knots", "bound", "plif_noise")
 _MIXTURE_OPTIONS = ("num_components", "latent_features")
 _HEAD_OPTIONS: dict[str, tuple[str, ...]] = {

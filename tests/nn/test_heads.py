@@ -424,3 +424,21 @@ def test_head_options_keep_only_what_each_head_takes():
         nn.make_head(name, D, M, rngs=nnx.Rngs(0), **nn.head_options(name, **every))
     with pytest.raises(ValueError, match="unknown head 'soft'"):
         nn.head_options("soft", **every)
+
+
+@pytest.mark.parametrize(
+    "name, options, refused",
+    [
+        ("softmax", {"num_components": 4}, "num_components"),
+        ("mos", {"num_knots": 5}, "num_knots"),
+        ("plif", {"num_hidden": 3, "eps": 1.0}, "eps, num_hidden"),
+    ],
+)
+def test_make_head_refuses_options_a_preset_does_not_take(name, options, refused):
+    with pytest.raises(
+        ValueError, match=f"head '{name}' takes no option {refused}; it takes "
+    ) as err:
+        nn.make_head(name, 8, 20, rngs=nnx.Rngs(0), **options)
+    assert "memory_budget" in str(err.value)  # the list names what the head does take
+    if name == "mos":
+        assert "num_components, latent_features" in str(err.value)
