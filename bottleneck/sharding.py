@@ -51,9 +51,7 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None, num_devices: int) -> d
     unknown = set(sizes) - set(MESH_AXES)
     if unknown or any(v < 1 for v in sizes.values()):
         raise ValueError(f"mesh axes must be {MESH_AXES} with sizes >= 1, got {sizes}")
-    cpu_hint = (
-        "; on CPU, run with XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices"
-    )
+    cpu_hint = "; on CPU, run with XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices"
     if DATA not in sizes:
         vocab = sizes.get(VOCAB, 1)
         if num_devices % vocab:

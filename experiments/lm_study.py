@@ -153,7 +153,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smoke": {
         "data_dir": str(language_model.FIXTURES_DIR),
         "heads": ("softmax", "mos"),
-        "ds": (4, 8),
+        "ds": (4,),
         "seeds": (1,),
         "nhid": 16,
         "num_components": 2,

@@ -239,7 +239,7 @@ def test_a_diverged_run_stops_with_a_clear_message_and_keeps_its_last_checkpoint
         return train_epoch(run, stop)
 
     monkeypatch.setattr(language_model.Run, "_train_epoch", poisoned)
-    argv = ["--preset", "smoke", "--no-dynamic_eval", "--out_dir", str(tmp_path)]
+    argv = ["--preset", "smoke", "--no-dynamic_eval", "--epochs", "2", "--out_dir", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_info:
         language_model.main(argv)
     assert exit_info.value.code == 1
@@ -251,7 +251,7 @@ def test_a_diverged_run_stops_with_a_clear_message_and_keeps_its_last_checkpoint
 
     monkeypatch.setattr(language_model.Run, "_train_epoch", train_epoch)
     results = language_model.main(argv)  # the kept checkpoint resumes
-    assert results["epochs_trained"] == 3 and np.isfinite(results["test_loss"])
+    assert results["epochs_trained"] == 2 and np.isfinite(results["test_loss"])
 
 
 def test_early_stopping_and_stop_reasons():
