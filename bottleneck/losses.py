@@ -27,12 +27,15 @@ def labels_are_concrete(labels: Any) -> bool:
 
 
 def check_label_range(labels: Any, vocab_size: int, name: str = "labels") -> None:
-    """``ValueError`` naming ``[0, vocab_size)`` if concrete ``labels`` fall outside it.
+    """``ValueError`` unless ``labels`` are integers, naming ``[0, vocab_size)`` if concrete
+    ``labels`` fall outside it.
 
-    Every label is checked, at masked-out (``where=False``) positions too: padding must carry a
+    The dtype is checked traced or not. Every label is checked, at masked-out (``where=False``) positions too: padding must carry a
     valid class (0, say), not a sentinel such as -1. Traced labels are not checked here; the
     functions that take them fold :func:`valid_labels` into their result instead (NaN).
     """
+    if not jnp.issubdtype(jnp.asarray(labels).dtype, jnp.integer):
+        raise ValueError(f"{name} must have an integer dtype, got {jnp.asarray(labels).dtype}")
     if not labels_are_concrete(labels) or np.size(labels) == 0:
         return
     if isinstance(labels, jax.Array):
@@ -76,9 +79,7 @@ def nan_unless(valid: jax.Array, x: jax.Array) -> jax.Array:
 def _check_labels(
     log_probs_shape: tuple[int, ...], axis: int, labels: jax.Array, where: jax.Array | None
 ) -> None:
-    """Dtype of ``labels``; shapes of ``labels`` and ``where``: ``log_probs``'s without ``axis``."""
-    if not jnp.issubdtype(jnp.asarray(labels).dtype, jnp.integer):
-        raise ValueError(f"labels must have an integer dtype, got {jnp.asarray(labels).dtype}")
+    """Shapes of ``labels`` and ``where``: ``log_probs``'s without ``axis``."""
     expected = log_probs_shape[:axis] + log_probs_shape[axis + 1 :]
     if jnp.shape(labels) != expected:
         raise ValueError(
@@ -180,8 +181,6 @@ def target_log_probs(
     """
     require_float("log_scores", log_scores)
     require_ndim("log_scores", log_scores, 1, "[..., vocab]")
-    if not jnp.issubdtype(jnp.asarray(labels).dtype, jnp.integer):
-        raise ValueError(f"labels must have an integer dtype, got {jnp.asarray(labels).dtype}")
     scores = as_compute(log_scores)
     local_size = scores.shape[-1]
     if vocab_size is None:
@@ -298,8 +297,6 @@ def chunked_cross_entropy(
     """
     require_float("hidden", hidden)
     require_ndim("hidden", hidden, 1, "[..., d]")
-    if not jnp.issubdtype(jnp.asarray(labels).dtype, jnp.integer):
-        raise ValueError(f"labels must have an integer dtype, got {jnp.asarray(labels).dtype}")
     # Before the conversion: without x64, jnp.asarray wraps int64 values into int32 silently.
     check_label_range(labels, vocab_size)
     labels = jnp.asarray(labels)
