@@ -705,6 +705,7 @@ class Run:
                 self._check_finite(loss)
                 bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{perplexity(loss):.1f}")
             if stop.requested:  # the step is done: save where we are and leave
+                self._check_finite(float(nll_sum) / tokens)  # never checkpoint a diverged state
                 keep_partial()
                 self.save()
                 raise SystemExit(stop.exit_code)
