@@ -171,15 +171,16 @@ def per_device_check(mesh: jax.sharding.Mesh) -> dict[str, Any]:
 def memory_case(name: str, layout: str, dump_dir: Path | None, seen: set[Path]) -> dict[str, Any]:
     """Compiled memory of one head's loss value_and_grad at the WT2 shape on ``layout``."""
     mesh = make_mesh(layout)
-    head = nn.make_head(name, WT2.dim, WT2.vocab, rngs=nnx.Rngs(0), mesh=mesh, **MEMORY_HEADS[name])
-    shard_model(head, mesh)
-    loss_grad, state = make_loss_grad(head)
-    tokens = NamedSharding(mesh, P(DATA))
-    h = jax.ShapeDtypeStruct((WT2.tokens, WT2.dim), jnp.float32, sharding=tokens)
-    labels = jax.ShapeDtypeStruct((WT2.tokens,), jnp.int32, sharding=tokens)
-    start = time.perf_counter()
-    compiled = loss_grad.lower(state, h, labels).compile()
-    compile_s = time.perf_counter() - start
+    with jax.set_mesh(mesh):  # the head is built and traced for the mesh
+        head = nn.make_head(name, WT2.dim, WT2.vocab, rngs=nnx.Rngs(0), **MEMORY_HEADS[name])
+        shard_model(head, mesh)
+        loss_grad, state = make_loss_grad(head)
+        tokens = NamedSharding(mesh, P(DATA))
+        h = jax.ShapeDtypeStruct((WT2.tokens, WT2.dim), jnp.float32, sharding=tokens)
+        labels = jax.ShapeDtypeStruct((WT2.tokens,), jnp.int32, sharding=tokens)
+        start = time.perf_counter()
+        compiled = loss_grad.lower(state, h, labels).compile()
+        compile_s = time.perf_counter() - start
     stats = compiled.memory_analysis()
     sizes = dict(mesh.shape)
     # As head.loss sizes them: each device's tokens and columns, its share of the budget.
@@ -249,13 +250,15 @@ def worker_timing(devices: int, repeats: int) -> dict[str, Any]:
     calls: dict[str, Callable[[], Any]] = {}
     outputs: dict[str, Any] = {}
     for layout, mesh in meshes.items():
-        head = nn.make_head(TIMED_HEAD, PTB.dim, PTB.vocab, rngs=nnx.Rngs(0), mesh=mesh)
+        with jax.set_mesh(mesh):
+            head = nn.make_head(TIMED_HEAD, PTB.dim, PTB.vocab, rngs=nnx.Rngs(0))
         shard_model(head, mesh)
         loss_grad, state = make_loss_grad(head)
         args = (state, shard_batch(h, mesh), shard_batch(labels, mesh))
 
-        def call(loss_grad=loss_grad, args=args, layout=layout) -> Any:
-            outputs[layout] = loss_grad(*args)
+        def call(loss_grad=loss_grad, args=args, layout=layout, mesh=mesh) -> Any:
+            with jax.set_mesh(mesh):
+                outputs[layout] = loss_grad(*args)
             return outputs[layout]
 
         calls[layout] = call

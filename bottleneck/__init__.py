@@ -4,7 +4,7 @@ Data flow: hidden states -> logits (W h + b) -> pointwise map (PLIF / sig / none
 -> normalizer (log-space) -> mixture (optional) -> log-probs -> loss / rank diagnostics.
 """
 
-from bottleneck.losses import cross_entropy
+from bottleneck.losses import chunked_cross_entropy, cross_entropy, target_log_probs
 from bottleneck.mixtures import mixture_log_probs
 from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
 from bottleneck.normalizers import (
@@ -13,6 +13,10 @@ from bottleneck.normalizers import (
     log_sigmoid_normalizer,
     log_sigsoftmax,
     log_softmax,
+    relu_log_scores,
+    sigmoid_log_scores,
+    sigsoftmax_log_scores,
+    softmax_log_scores,
 )
 from bottleneck.spectrum import (
     effective_rank,
@@ -24,6 +28,7 @@ from bottleneck.spectrum import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "chunked_cross_entropy",
     "cross_entropy",
     "effective_rank",
     "jacobian_singular_values",
@@ -38,5 +43,10 @@ __all__ = [
     "numerical_rank",
     "plif",
     "plif_init",
+    "relu_log_scores",
+    "sigmoid_log_scores",
+    "sigsoftmax_log_scores",
     "singular_values",
+    "softmax_log_scores",
+    "target_log_probs",
 ]

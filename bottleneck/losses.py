@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bottleneck._checks import as_compute, require_float, require_ndim
+from bottleneck._vma import mark_varying, reduce_like, varying_axes
 from bottleneck.normalizers import vocab_axis
-from bottleneck.sharding import mark_varying, varying_axes
 
 
 def labels_are_concrete(labels: Any) -> bool:
@@ -227,6 +227,66 @@ def chunk_size_for_budget(
     return -(-max(num_tokens, 1) // num_chunks)
 
 
+def measure_buffers_per_element(
+    token_log_probs: Callable[..., jax.Array],
+    params: Any,
+    hidden_row: jax.ShapeDtypeStruct,
+    *,
+    elements_per_token: int,
+    token_constants: Any = None,
+    probe_tokens: int = 16,
+) -> float:
+    """Float32 buffers of ``[C, elements_per_token]`` one chunk of ``token_log_probs`` keeps live.
+
+    For :func:`chunked_cross_entropy`'s ``buffers_per_element`` when the computation is not
+    known in advance (a user's pointwise map or normalizer): compiles the value and gradient of
+    ``sum(token_log_probs(params, hidden [C, d], labels [C]))`` for ``C = probe_tokens`` and
+    ``2 C`` and reads the compiler's temporary memory (``memory_analysis``); the growth per
+    token, in units of ``4 * elements_per_token`` bytes, is the answer (at least 1). Runs at
+    trace time on abstract shapes; no data is touched.
+
+    Args:
+      token_log_probs: as for :func:`chunked_cross_entropy`.
+      params: pytree of ``jax.ShapeDtypeStruct`` (or arrays) of the parameters.
+      hidden_row: shape and dtype of one token's hidden vector ``[d]``.
+      elements_per_token: size of the per-token intermediate the chunks are sized by.
+      token_constants: optional pytree of one token's constants (shape and dtype).
+      probe_tokens: ``C``.
+    """
+    abstract = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+    params = jax.tree.map(abstract, params)
+
+    def temporary_bytes(tokens: int) -> int:
+        def value_and_grad(params, hidden, labels, constants):
+            def total(params, hidden):
+                return jnp.sum(_call(token_log_probs, params, hidden, labels, constants))
+
+            return jax.value_and_grad(total, argnums=(0, 1))(params, hidden)
+
+        rows = lambda row: jax.ShapeDtypeStruct((tokens, *row.shape), row.dtype)  # noqa: E731
+        compiled = (
+            jax.jit(value_and_grad)
+            .lower(
+                params,
+                rows(hidden_row),
+                jax.ShapeDtypeStruct((tokens,), jnp.int32),
+                jax.tree.map(rows, token_constants),
+            )
+            .compile()
+        )
+        analysis = compiled.memory_analysis()
+        if analysis is None:  # a backend without memory analysis: assume a heavy piece
+            return tokens * 4 * elements_per_token * _UNMEASURED_BUFFERS
+        return analysis.temp_size_in_bytes
+
+    growth = temporary_bytes(2 * probe_tokens) - temporary_bytes(probe_tokens)
+    return max(growth / probe_tokens / (4 * max(elements_per_token, 1)), 1.0)
+
+
+# What measure_buffers_per_element assumes where the backend cannot measure.
+_UNMEASURED_BUFFERS = 16.0
+
+
 def chunked_cross_entropy(
     token_log_probs: Callable[..., jax.Array],
     params: Any,
@@ -436,15 +496,9 @@ def _fused_weighted_nll_fwd(
         (grad_params, grad_hidden), losses = jax.lax.scan(step, init, jnp.arange(num_chunks))
         loss = jnp.sum(losses)
     grad_params = jax.tree.map(
-        lambda g, p: _reduce_like(g, p).astype(jnp.result_type(p)), grad_params, params
+        lambda g, p: reduce_like(g, p).astype(jnp.result_type(p)), grad_params, params
     )
     return _psum(loss, data_axis), (grad_params, grad_hidden)
-
-
-def _reduce_like(grad: jax.Array, param: jax.Array) -> jax.Array:
-    """Sums a gradient over the shard_map axes where it varies but its parameter does not."""
-    axes = tuple(sorted(varying_axes(grad) - varying_axes(param)))
-    return jax.lax.psum(grad, axes) if axes else grad
 
 
 def _fused_weighted_nll_bwd(token_log_probs, chunk, data_axis, residuals, cotangent):

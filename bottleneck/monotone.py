@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from bottleneck._checks import compute_dtype, require_float
-from bottleneck.sharding import mark_varying, varying_axes
+from bottleneck._vma import reduce_like
 
 # softplus^{-1}(1) = log(e - 1): raw slopes at this value make PLIF the identity map.
 IDENTITY_RAW_SLOPE = math.log(math.expm1(1.0))
@@ -94,7 +94,9 @@ def _plif_bwd(bound, residuals, g):
     )
     grad_slopes = delta * mass_above + histogram.imag
     grad_raw = grad_slopes * jax.nn.sigmoid(raw_slopes)
-    return grad_x, grad_raw
+    # Inside shard_map with the logits split, each shard saw its own logits: the slopes'
+    # gradient is the sum of the shards' (a no-op elsewhere).
+    return grad_x, reduce_like(grad_raw, raw_slopes)
 
 
 _plif.defvjp(_plif_fwd, _plif_bwd)
@@ -134,9 +136,6 @@ def plif(x: jax.Array, raw_slopes: jax.Array, bound: float = 20.0) -> jax.Array:
     _check_plif_args(x, raw_slopes, bound)
     x = jnp.asarray(x)
     dtype = compute_dtype(x, raw_slopes)
-    # Inside shard_map the slope gradient varies like x; the cast makes the primal match it and
-    # its transpose sums the shards' slope gradients.
-    raw_slopes = mark_varying(raw_slopes, varying_axes(x))
     return _plif(x.astype(dtype), raw_slopes.astype(dtype), float(bound))
 
 

@@ -70,8 +70,8 @@ from bottleneck import nn
 from bottleneck.data import CORPORA, batchify, bptt_windows, limit_vocabulary, load_corpus
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
-from bottleneck.nn.awd_lstm import AWDLSTM, MIXTURE_HEAD_NAMES
-from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_model
+from bottleneck.nn.awd_lstm import AWDLSTM
+from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_model, use_mesh
 from bottleneck.train import (
     RunFolderError,
     check_run_folder,
@@ -227,9 +227,10 @@ class Config:
         for name in ("dropout", "dropouth", "dropouti", "dropoute", "wdrop", "dropoutl"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        mixture = self.head in MIXTURE_HEAD_NAMES
+        mixture = nn.is_mixture_preset(self.head)
         if self.dropoutl > 0 and not mixture:
-            raise ValueError(f"dropoutl > 0 needs a mixture head ({', '.join(MIXTURE_HEAD_NAMES)})")
+            mixtures = [name for name in HEAD_NAMES if nn.is_mixture_preset(name)]
+            raise ValueError(f"dropoutl > 0 needs a mixture head ({', '.join(mixtures)})")
         if self.tie_weights and not mixture and self.nhidlast not in (None, self.emsize):
             raise ValueError(
                 f"tie_weights with head {self.head!r} needs nhidlast == emsize ({self.emsize}), "
@@ -419,6 +420,7 @@ def shrink_corpus(corpus: TokenizedCorpus, config: Config) -> TokenizedCorpus:
 
 
 def build_model(config: Config, vocab_size: int, mesh: Mesh | None = None) -> AWDLSTM:
+    """The AWD-LSTM of ``config``; on ``mesh`` (built inside ``jax.set_mesh(mesh)``) placed."""
     model = AWDLSTM(
         vocab_size,
         emsize=config.emsize,
@@ -435,7 +437,6 @@ def build_model(config: Config, vocab_size: int, mesh: Mesh | None = None) -> AW
         tie_weights=config.tie_weights,
         unroll=config.unroll,
         rngs=nnx.Rngs(config.seed),
-        mesh=mesh,
         **nn.head_options(config.head, bound=config.plif_bound, **dataclasses.asdict(config)),
     )
     return model if mesh is None else shard_model(model, mesh)
@@ -860,16 +861,19 @@ def run_experiment(config: Config) -> dict[str, Any]:
         if resuming:
             check_resumable(root, config)
         run = open_run(root, config, resume=resuming)
-        lm = Run(config, corpus, run, store)
-        if not lm.restore() and config.finetune_from is not None:
-            lm.start_finetune(config.finetune_from)
-        print(
-            f"{config.corpus}: vocabulary {len(corpus.vocabulary)}, train {len(corpus.train)} "
-            f"tokens; head {config.head}, "
-            f"{sum(int(np.size(x)) for x in jax.tree.leaves(lm.trainer.state.params)):,} parameters"
-        )
-        lm.train(stop)
-        results = lm.evaluate(stop)
+        # The model is built and traced under the mesh, as Flax models take it (from context).
+        with use_mesh(mesh_from_flag(config.mesh)):
+            lm = Run(config, corpus, run, store)
+            if not lm.restore() and config.finetune_from is not None:
+                lm.start_finetune(config.finetune_from)
+            print(
+                f"{config.corpus}: vocabulary {len(corpus.vocabulary)}, train "
+                f"{len(corpus.train)} tokens; head {config.head}, "
+                f"{sum(int(np.size(x)) for x in jax.tree.leaves(lm.trainer.state.params)):,} "
+                "parameters"
+            )
+            lm.train(stop)
+            results = lm.evaluate(stop)
     run.write_json("results.json", results)
     run.log_metrics(
         {"event": "test", **{k: v for k, v in results.items() if not isinstance(v, dict)}}

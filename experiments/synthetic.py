@@ -31,7 +31,13 @@ from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy, synthetic_metrics
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.models import ContextEmbeddingModel
-from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_batch, shard_model
+from bottleneck.sharding import (
+    mesh_from_flag,
+    require_data_divides,
+    shard_batch,
+    shard_model,
+    use_mesh,
+)
 from bottleneck.train import Trainer, make_optimizer, open_run, parse_config, print_table, progress
 
 matplotlib.use("Agg")
@@ -119,15 +125,15 @@ PRESETS = {
 def train_one(config: Config, run, head: str, dim: int, alpha: float, seed: int, targets) -> dict:
     """Trains one model full-batch and returns its row of results."""
     mesh = mesh_from_flag(config.mesh)
-    model = ContextEmbeddingModel(
-        config.num_contexts,
-        dim,
-        config.num_outcomes,
-        head,
-        rngs=nnx.Rngs(seed),
-        mesh=mesh,
-        **nn.head_options(head, **dataclasses.asdict(config)),
-    )
+    with use_mesh(mesh):  # padded, annotated parameters for the mesh
+        model = ContextEmbeddingModel(
+            config.num_contexts,
+            dim,
+            config.num_outcomes,
+            head,
+            rngs=nnx.Rngs(seed),
+            **nn.head_options(head, **dataclasses.asdict(config)),
+        )
     if mesh is not None:  # contexts split on "data", the head's vocabulary on "vocab"
         model, targets = shard_model(model, mesh), shard_batch(targets, mesh)
     trainer = Trainer(

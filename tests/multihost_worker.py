@@ -29,15 +29,16 @@ if __name__ == "__main__":
     labels = rng.integers(0, vocab, tokens).astype(np.int32)
 
     mesh = make_mesh("data=2,vocab=2")  # spans both processes' devices
-    head = shard_model(
-        nn.make_head("mos", dim, vocab, rngs=nnx.Rngs(0), num_components=2, mesh=mesh), mesh
-    )
-    rows = slice(process_id * tokens // 2, (process_id + 1) * tokens // 2)
-    global_h = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), h[rows])
-    global_labels = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("data")), labels[rows]
-    )
-    sharded = nnx.jit(lambda m, h, y: m.loss(h, y))(head, global_h, global_labels)
+    with jax.set_mesh(mesh):
+        head = shard_model(
+            nn.make_head("mos", dim, vocab, rngs=nnx.Rngs(0), num_components=2), mesh
+        )
+        rows = slice(process_id * tokens // 2, (process_id + 1) * tokens // 2)
+        global_h = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), h[rows])
+        global_labels = jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("data")), labels[rows]
+        )
+        sharded = nnx.jit(lambda m, h, y: m.loss(h, y))(head, global_h, global_labels)
 
     single = nn.make_head("mos", dim, vocab, rngs=nnx.Rngs(0), num_components=2)
     local = jax.jit(lambda m, h, y: m.loss(h, y))(

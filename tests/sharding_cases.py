@@ -8,6 +8,7 @@ Run directly: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 
 import jax
@@ -15,13 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import bottleneck as bn
 from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy
 from bottleneck.nn.models import ContextEmbeddingModel
-from bottleneck.sharding import make_mesh, require_data_divides, shard_batch, shard_model
+from bottleneck.sharding import make_mesh, require_data_divides, shard_batch
 from bottleneck.train import Trainer, make_optimizer
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from head_combos import COMBOS, build_head, keep_relu_off_its_kink  # noqa: E402
+
 MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
+# Every composition of tests/head_combos.py runs on this mesh, the presets on every mesh.
+COMPOSITION_MESH = "data=2,vocab=4"
+PRESET_HEADS = {"softmax": 2**30, "mos_plif": 2_000}  # and their memory budgets
 DIM, VOCAB_SIZE, TOKENS = 8, 37, 40  # 37 is split unevenly: padded decoder rows are exercised
 OPTIONS = {
     "plif": {"num_knots": 64, "plif_noise": 1.0},
@@ -50,40 +58,21 @@ def _loss_and_grads(head, h, labels, where):
     return value, grads, grad_h
 
 
-# ReLU heads: logits kept at least this far from the kink at 0 (see _relu_bias).
-RELU_MARGIN = 0.1
+def _place(head, bias):
+    if bias is not None:
+        head.bias[...] = jnp.pad(bias, (0, head.bias.shape[0] - VOCAB_SIZE))
+    return head
 
 
-def _relu_bias(head, h) -> jax.Array:
-    """Bias [M] that keeps every ReLU-head logit at least RELU_MARGIN away from 0.
+def head_case(build, mesh_spec: str) -> float:
+    """Loss and gradients of a vocab/data-parallel head equal the single-device ones.
 
-    The ReLU normalizer's gradient is (p - 1[y]) / (relu(z) + eps): with a label's logit at
-    z = 2e-3 it is ~1/z, and its relative error equals that of z. The logits of the two layouts
-    differ by reduction-order round-off (~6e-8 here, CPU-dependent), so such a logit turned that
-    into 6e-5 of absolute gradient deviation (fails 1e-5 on some CPUs) - an ill-conditioned
-    input, not a sharding error. Rather than loosen the bound, the inputs avoid the kink: +1 on
-    even columns, -1 on odd ones, so both branches of relu are still exercised (z < 0 gives the
-    constant score log eps and a zero gradient) while |z| >= RELU_MARGIN keeps the gradient and
-    its conditioning O(1/RELU_MARGIN). Checked, so a change of initialisation cannot
-    silently bring the kink back.
+    ``build()`` makes the head; on the mesh it is built and run inside ``jax.set_mesh``.
     """
-    bias = jnp.where(jnp.arange(VOCAB_SIZE) % 2 == 0, 1.0, -1.0)
-    z = h @ head.decoder[...][:VOCAB_SIZE].T + bias
-    assert float(jnp.min(jnp.abs(z))) >= RELU_MARGIN, "relu logits too close to the kink"
-    return bias
-
-
-def head_case(name: str, mesh_spec: str, memory_budget: int) -> float:
-    """Loss and gradients of a vocab/data-parallel head equal the single-device ones."""
     mesh = make_mesh(mesh_spec)
-
-    def make(**mesh_option):
-        return nn.make_head(
-            name, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), memory_budget=memory_budget,
-            **OPTIONS.get(name, {}), **mesh_option,
-        )  # fmt: skip
-
-    single, sharded = make(), make(mesh=mesh)
+    single = build()
+    with jax.set_mesh(mesh):
+        sharded = build()
     # A mesh changes no parameter: the decoder and bias only gain zero padding rows.
     single_params = nnx.to_pure_dict(nnx.state(single))
     for key, value in nnx.to_pure_dict(nnx.state(sharded)).items():
@@ -94,24 +83,23 @@ def head_case(name: str, mesh_spec: str, memory_budget: int) -> float:
 
     keys = jax.random.split(jax.random.key(1), 3)
     h = jax.random.normal(keys[0], (TOKENS, DIM))
-    if name == "relu":
-        bias = _relu_bias(single, h)
-        single.bias[...] = bias
-        sharded.bias[...] = jnp.pad(bias, (0, sharded.bias.shape[0] - VOCAB_SIZE))
-    shard_model(sharded, mesh)
+    bias = keep_relu_off_its_kink(single, h)
+    single, sharded = _place(single, bias), _place(sharded, bias)
     labels = jax.random.randint(keys[1], (TOKENS,), 0, VOCAB_SIZE)
     where = jax.random.bernoulli(keys[2], 0.8, (TOKENS,))
     want_loss, want_grads, want_h = _loss_and_grads(single, h, labels, where)
-    got_loss, got_grads, got_h = _loss_and_grads(
-        sharded, shard_batch(h, mesh), shard_batch(labels, mesh), shard_batch(where, mesh)
-    )
+    with jax.set_mesh(mesh):
+        got_loss, got_grads, got_h = _loss_and_grads(
+            sharded, shard_batch(h, mesh), shard_batch(labels, mesh), shard_batch(where, mesh)
+        )
     for key in ("decoder", "bias"):
         assert not np.any(np.asarray(got_grads[key][VOCAB_SIZE:])), "padding rows got a gradient"
         got_grads[key] = got_grads[key][:VOCAB_SIZE]
     # 37 tokens divide over no data axis: label_log_probs pads them.
     label_log_probs = nnx.jit(lambda head, h, y: head.label_log_probs(h, y))
     want_lp = label_log_probs(single, h[:37], labels[:37])
-    got_lp = label_log_probs(sharded, h[:37], labels[:37])
+    with jax.set_mesh(mesh):
+        got_lp = label_log_probs(sharded, h[:37], labels[:37])
     assert got_lp.shape == (37,)
     return max(
         abs(float(got_loss - want_loss)),
@@ -119,6 +107,68 @@ def head_case(name: str, mesh_spec: str, memory_budget: int) -> float:
         _max_deviation(got_h, want_h),
         _max_deviation(got_lp, want_lp),
     )
+
+
+def composition_case(combo: str, mesh_spec: str) -> float:
+    """On the mesh, head.loss and its gradients equal bn.cross_entropy(head(h)) (the plain maths,
+    partitioned by XLA), label_log_probs picks head(h)'s entries, and head(h) is normalized: one
+    compiled program per composition. The mesh pads 37 words to 40 decoder rows."""
+    mesh = make_mesh(mesh_spec)
+    keys = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(keys[0], (TOKENS, DIM))
+    labels = jax.random.randint(keys[1], (TOKENS,), 0, VOCAB_SIZE)
+    where = jax.random.bernoulli(keys[2], 0.8, (TOKENS,))
+    with jax.set_mesh(mesh):
+        head = build_head(combo, DIM, VOCAB_SIZE, memory_budget=2_000)
+        head = _place(head, keep_relu_off_its_kink(head, h))
+        graphdef, state = nnx.split(head)
+
+        @jax.jit
+        def run(state, h, labels, where):
+            chunked = lambda s, h: nnx.merge(graphdef, s).loss(h, labels, where)  # noqa: E731
+            full = lambda s, h: bn.cross_entropy(nnx.merge(graphdef, s)(h), labels, where)  # noqa: E731
+            grads = lambda f: jax.value_and_grad(f, argnums=(0, 1))(state, h)  # noqa: E731
+            model = nnx.merge(graphdef, state)
+            log_probs = model(h)
+            picked = jnp.take_along_axis(log_probs[:37], labels[:37, None], axis=-1)[:, 0]
+            # 37 tokens divide over no data axis: label_log_probs pads them.
+            got_picked = model.label_log_probs(h[:37], labels[:37])
+            return (
+                grads(chunked),
+                grads(full),
+                (got_picked, picked),
+                jax.nn.logsumexp(log_probs, -1),
+            )
+
+        got, want, (got_picked, picked), log_total = run(
+            state, shard_batch(h, mesh), shard_batch(labels, mesh), shard_batch(where, mesh)
+        )
+    grad_rows = nnx.to_pure_dict(got[1][0])
+    for key in ("decoder", "bias"):
+        assert not np.any(np.asarray(grad_rows[key][VOCAB_SIZE:])), "padding rows got a gradient"
+    return max(
+        _max_deviation(got, want),
+        _max_deviation(got_picked, picked),
+        float(jnp.max(jnp.abs(log_total))) / 10,  # within 1e-6: float32 round-off over 37 words
+    )
+
+
+def memory_case(combo: str, mesh_spec: str) -> float:
+    """Compiled per-device temporaries of value_and_grad(head.loss) on the mesh at N=4096, d=64,
+    M=32768, as a fraction of one device's quarter of the full float32 logits (< 1 passes)."""
+    num_tokens, dim, vocab = 4096, 64, 32768
+    mesh = make_mesh(mesh_spec)
+    with jax.set_mesh(mesh):
+        graphdef, state = nnx.split(build_head(combo, dim, vocab))
+        h = jax.ShapeDtypeStruct((num_tokens, dim), jnp.float32)
+        labels = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
+
+        def loss(state, h, labels):
+            return nnx.merge(graphdef, state).loss(h, labels)
+
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, h, labels)
+        temp = lowered.compile().memory_analysis().temp_size_in_bytes
+    return temp / (num_tokens * vocab * 4 / mesh.size / 4)
 
 
 def synthetic_case(mesh_spec: str) -> float:
@@ -130,25 +180,27 @@ def synthetic_case(mesh_spec: str) -> float:
     targets = dirichlet_targets(jax.random.key(0), 32, 48, 0.1)
 
     def train(mesh):
-        model = ContextEmbeddingModel(32, 4, 48, "plif", rngs=nnx.Rngs(0), mesh=mesh, num_knots=64)
-        batch = targets
-        if mesh is not None:
-            model, batch = shard_model(model, mesh), shard_batch(targets, mesh)
+        model = ContextEmbeddingModel(32, 4, 48, "plif", rngs=nnx.Rngs(0), num_knots=64)
+        batch = targets if mesh is None else shard_batch(targets, mesh)
         trainer = Trainer(
             model, make_optimizer(0.5, optimizer="sgd"), lambda m, t: expected_cross_entropy(t, m())
         )
         return trainer.run(batch, 5)
 
-    return _max_deviation(train(make_mesh(mesh_spec)), train(None))
+    mesh = make_mesh(mesh_spec)
+    with jax.set_mesh(mesh):
+        sharded = train(mesh)
+    return _max_deviation(sharded, train(None))
 
 
 def bad_shapes_case() -> float:
     """A sharded head refuses labels that do not match h (0.0: it did, with a clear message)."""
-    head = nn.make_head("softmax", DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), mesh=make_mesh("data=8"))
-    try:
-        head.loss(jnp.zeros((TOKENS, DIM)), jnp.zeros((TOKENS + 1,), jnp.int32))
-    except ValueError as err:
-        return 0.0 if "labels and where must have shape (40,)" in str(err) else 1.0
+    with jax.set_mesh(make_mesh("data=8")):
+        head = nn.make_head("softmax", DIM, VOCAB_SIZE, rngs=nnx.Rngs(0))
+        try:
+            head.loss(jnp.zeros((TOKENS, DIM)), jnp.zeros((TOKENS + 1,), jnp.int32))
+        except ValueError as err:
+            return 0.0 if "labels and where must have shape (40,)" in str(err) else 1.0
     return 1.0
 
 
@@ -162,18 +214,19 @@ def bad_labels_case(mesh_spec: str) -> float:
     out of range too, not a log-probability of -inf. 0.0 if every head behaves, else 1.0.
     """
     mesh = make_mesh(mesh_spec)
+    with jax.set_mesh(mesh):
+        return _bad_labels_on(mesh)
+
+
+def _bad_labels_on(mesh) -> float:
     keys = jax.random.split(jax.random.key(2), 3)
     h = shard_batch(jax.random.normal(keys[0], (TOKENS, DIM)), mesh)
     labels = shard_batch(jax.random.randint(keys[1], (TOKENS,), 0, VOCAB_SIZE), mesh)
     where = shard_batch(jax.random.bernoulli(keys[2], 0.8, (TOKENS,)), mesh)
     for name in BAD_LABEL_HEADS:
-        head = shard_model(
-            nn.make_head(
-                name, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), mesh=mesh, memory_budget=2_000,
-                **OPTIONS.get(name, {}),
-            ),
-            mesh,
-        )  # fmt: skip
+        head = nn.make_head(
+            name, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), memory_budget=2_000, **OPTIONS.get(name, {})
+        )
         graphdef, state = nnx.split(head)
 
         @jax.jit
@@ -227,10 +280,17 @@ def data_divides_case() -> float:
 def main() -> None:
     assert jax.device_count() == 8, f"run with 8 fake devices, got {jax.device_count()}"
     results = {}
+    for combo in COMBOS:
+        results[f"compose:{combo}:{COMPOSITION_MESH}"] = composition_case(combo, COMPOSITION_MESH)
+        results[f"memory:{combo}:{COMPOSITION_MESH}"] = memory_case(combo, COMPOSITION_MESH)
     for mesh_spec in MESHES:
-        for name in nn.HEAD_NAMES:
-            results[f"head:{name}:{mesh_spec}"] = head_case(name, mesh_spec, 2**30)
-        results[f"head:mos_plif:{mesh_spec}:chunked"] = head_case("mos_plif", mesh_spec, 2_000)
+        for name, memory_budget in PRESET_HEADS.items():
+            options = {**OPTIONS.get(name, {}), "memory_budget": memory_budget}
+
+            def build(name=name, options=options):  # fresh streams: the same parameters each time
+                return nn.make_head(name, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), **options)
+
+            results[f"head:{name}:{mesh_spec}"] = head_case(build, mesh_spec)
         results[f"synthetic:{mesh_spec}"] = synthetic_case(mesh_spec)
     results["errors:bad_shapes"] = bad_shapes_case()
     results["errors:bad_labels:data=2,vocab=4"] = bad_labels_case("data=2,vocab=4")

@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from bottleneck import nn
 from bottleneck.sharding import padded_vocab_size, parse_mesh_spec
+from tests.head_combos import COMBOS
 
 TESTS = pathlib.Path(__file__).resolve().parent
 TOLERANCE = 1e-5
@@ -25,6 +25,7 @@ TOLERANCE = 1e-5
 def _env(devices):
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] += " --xla_backend_optimization_level=0"  # compile fast
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), env.get("PYTHONPATH", "")])
     return env
 
@@ -42,10 +43,11 @@ def sharding_results():
 
 
 MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
-CASES = [f"head:{name}:{mesh}" for mesh in MESHES for name in nn.HEAD_NAMES]
-CASES += [f"head:mos_plif:{mesh}:chunked" for mesh in MESHES]
+CASES = [f"compose:{combo}:data=2,vocab=4" for combo in COMBOS]
+CASES += [f"head:{name}:{mesh}" for mesh in MESHES for name in ("softmax", "mos_plif")]
 CASES += [f"synthetic:{mesh}" for mesh in MESHES]
 CASES += ["errors:bad_shapes", "errors:bad_labels:data=2,vocab=4", "errors:data_divides"]
+MEMORY_CASES = [f"memory:{combo}:data=2,vocab=4" for combo in COMBOS]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -54,8 +56,15 @@ def test_sharded_equals_single_device(sharding_results, case):
     assert sharding_results[case] < TOLERANCE
 
 
+@pytest.mark.parametrize("case", MEMORY_CASES)
+def test_sharded_loss_needs_under_a_quarter_of_each_devices_share_of_the_logits(
+    sharding_results, case
+):
+    assert sharding_results[case] < 1.0
+
+
 def test_every_case_was_run(sharding_results):
-    assert set(sharding_results) == set(CASES)
+    assert set(sharding_results) == set(CASES + MEMORY_CASES)
 
 
 LM_SCRIPT = TESTS.parent / "experiments" / "language_model.py"
@@ -67,9 +76,6 @@ LM_MESHES = ("vocab=8", "data=2,vocab=4")
 
 def _lm_run(out, devices, *args):
     env = _env(devices)
-    env["XLA_FLAGS"] += (
-        " --xla_backend_optimization_level=0"  # compile fast, as in test_language_model
-    )
     return subprocess.Popen(
         [sys.executable, str(LM_SCRIPT), *LM_ARGS, "--out_dir", str(out), *args],
         cwd=TESTS.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -1,19 +1,18 @@
-"""Flax NNX modules: output heads, the mixture-of-experts dense layer, models around a head."""
+"""Flax NNX modules: output heads as compositions, the mixture-of-experts dense layer, models."""
 
 from bottleneck.nn.awd_lstm import AWDLSTM
 from bottleneck.nn.heads import (
     HEAD_NAMES,
-    MixtureHead,
-    MonotoneMLPHead,
+    NORMALIZERS,
+    PLIF,
+    MonotoneMLP,
+    Normalizer,
     OutputHead,
-    PLIFHead,
-    ReLUHead,
-    SigmoidHead,
-    SigsoftmaxHead,
-    SoftmaxHead,
     head_options,
+    is_mixture_preset,
     make_head,
     param_labels,
+    relu_normalizer,
 )
 from bottleneck.nn.models import ContextEmbeddingModel
 from bottleneck.nn.moe import DenseMoE, dense_moe
@@ -21,18 +20,17 @@ from bottleneck.nn.moe import DenseMoE, dense_moe
 __all__ = [
     "AWDLSTM",
     "HEAD_NAMES",
+    "NORMALIZERS",
+    "PLIF",
     "ContextEmbeddingModel",
     "DenseMoE",
-    "dense_moe",
-    "MixtureHead",
-    "MonotoneMLPHead",
+    "MonotoneMLP",
+    "Normalizer",
     "OutputHead",
+    "dense_moe",
     "head_options",
-    "PLIFHead",
-    "ReLUHead",
-    "SigmoidHead",
-    "SigsoftmaxHead",
-    "SoftmaxHead",
+    "is_mixture_preset",
     "make_head",
     "param_labels",
+    "relu_normalizer",
 ]

@@ -32,19 +32,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
 from bottleneck.nn.heads import (
-    MixtureHead,
     OutputHead,
+    is_mixture_preset,
     make_head,
     padded_rows_init,
     uniform_init,
 )
 from bottleneck.sharding import padded_vocab_size
-
-# The heads of `make_head` that are a `MixtureHead` (their decoder width is `latent_features`).
-MIXTURE_HEAD_NAMES = ("mos", "moss", "mos_plif")
 
 
 class LSTMState(NamedTuple):
@@ -377,13 +373,14 @@ class AWDLSTM(nnx.Module):
       tie_weights: share the embedding table with the head's decoder.
       unroll: :func:`jax.lax.scan` unroll factor of the LSTM time loop.
       rngs: NNX random streams (``params``) for the initialisation.
-      mesh: optional ``("data", "vocab")`` mesh (:func:`bottleneck.sharding.make_mesh`): the
-        head runs data- and vocabulary-parallel, the (tied) embedding table is split by
-        vocabulary like its decoder; shard the batch axis ``B`` on ``data`` and place the
-        model with :func:`bottleneck.sharding.shard_model`. The parameters start the same as
-        without a mesh (padding rows of the tables are zero and never used).
       head_options: passed to :func:`bottleneck.nn.make_head` (``num_components``,
         ``num_knots``, ...).
+
+    On a mesh: build and call it inside ``with jax.set_mesh(mesh)`` for a ``("data", "vocab")``
+    mesh (:func:`bottleneck.sharding.make_mesh`): the head runs data- and vocabulary-parallel
+    and the tied embedding table is split by vocabulary like its decoder; shard the batch axis
+    ``B`` on ``data``. The parameters start the same as without a mesh (padding rows of the
+    tables are zero and never used).
     """
 
     def __init__(
@@ -404,7 +401,6 @@ class AWDLSTM(nnx.Module):
         tie_weights: bool = True,
         unroll: int = 1,
         rngs: nnx.Rngs,
-        mesh: Mesh | None = None,
         **head_options: Any,
     ):
         nhidlast = emsize if nhidlast is None else nhidlast
@@ -429,11 +425,11 @@ class AWDLSTM(nnx.Module):
         for name, rate in rates.items():
             if not 0.0 <= rate < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {rate}")
-        is_mixture = head in MIXTURE_HEAD_NAMES
+        is_mixture = is_mixture_preset(head)
         if dropoutl > 0 and not is_mixture:
             raise ValueError(
-                f"dropoutl applies to mixture heads {MIXTURE_HEAD_NAMES} only; got head {head!r} "
-                f"with dropoutl={dropoutl}"
+                f"dropoutl applies to mixture heads only; got head {head!r} with "
+                f"dropoutl={dropoutl}"
             )
         if tie_weights and not is_mixture and nhidlast != emsize:
             raise ValueError(
@@ -446,7 +442,7 @@ class AWDLSTM(nnx.Module):
         self.dropoute, self.wdrop, self.dropoutl = dropoute, wdrop, dropoutl
         self.unroll = unroll
         self.embedding = nnx.Embed(
-            padded_vocab_size(vocab_size, mesh),
+            padded_vocab_size(vocab_size),
             emsize,
             embedding_init=padded_rows_init(uniform_init(0.1), vocab_size),
             rngs=rngs,
@@ -459,9 +455,7 @@ class AWDLSTM(nnx.Module):
             head_options = {"latent_features": emsize, **head_options}
         if tie_weights:
             head_options = {"tied_embedding": self.embedding, **head_options}
-        self.head: OutputHead = make_head(
-            head, nhidlast, vocab_size, rngs=rngs, mesh=mesh, **head_options
-        )
+        self.head: OutputHead = make_head(head, nhidlast, vocab_size, rngs=rngs, **head_options)
 
     def initial_carry(self, batch_size: int) -> Carry:
         """Zero state of every layer for ``batch_size`` sequences."""
@@ -483,16 +477,15 @@ class AWDLSTM(nnx.Module):
             *[((1, batch_size, size), self.dropouth) for size in layer_sizes[:-1]],
             *[((4 * size, size), self.wdrop) for size in layer_sizes],
         ]
-        if isinstance(self.head, MixtureHead):
-            latent_size = self.head.num_components * self.head.latent_features
-            specs.append(((1, batch_size, latent_size), self.dropoutl))
+        if self.head.is_mixture:
+            specs.append(((1, batch_size, self.head.latent_mask_features), self.dropoutl))
         masks = inverted_dropout_masks(key, specs)
         rows = self.embedding.num_embeddings
         if masks[0] is not None and rows > self.vocab_size:  # a mesh's padding rows: never used
             masks[0] = jnp.pad(masks[0], (0, rows - self.vocab_size), constant_values=1.0)
         hidden = masks[3 : 3 + self.nlayers - 1]
         weights = masks[3 + self.nlayers - 1 : 3 + 2 * self.nlayers - 1]
-        latent = masks[-1] if isinstance(self.head, MixtureHead) else None
+        latent = masks[-1] if self.head.is_mixture else None
         return DropoutMasks(masks[0], masks[1], tuple(hidden), tuple(weights), masks[2], latent)
 
     def rnn(

@@ -1,20 +1,27 @@
-"""Output heads: hidden states ``[..., d]`` -> log-probabilities ``[..., M]`` (Flax NNX).
+r"""Output heads: hidden states ``[..., d]`` -> log-probabilities ``[..., M]`` (Flax NNX).
 
-Every head is the same pipeline, ``logits (W h + b) -> pointwise map -> log-space normalizer
--> mixture (optional)``, and differs only in the pieces it overrides:
+A head is a composition, not a member of a closed list (see ``DESIGN.md``):
 
-* :meth:`OutputHead.log_scores`, the elementwise ``log g`` of its normalizer (softmax: ``z``;
-  sigsoftmax: ``z + log sigma(z)``; PLIF: ``plif(z)``; ...);
-* :meth:`OutputHead.components`, the hidden vector(s) fed to the decoder and the mixture prior
-  (one component and no prior, except for :class:`MixtureHead`).
+.. math::
+   h \to [h_k = \tanh(P_k h),\ \pi = \mathrm{norm}(w_\pi h)] \to z = W h_k + b
+   \to f(z) \to \log g(f(z)) \to \mathrm{log\_normalize} \to \log \textstyle\sum_k \pi_k p_k
 
-``head(h)`` returns full log-probabilities; ``head.loss(h, labels, where)`` returns the mean
-NLL through :func:`bottleneck.losses.chunked_cross_entropy`, which never holds the full
-``[N, M]`` logits (nor ``[N, K, M]`` for a mixture). No head has a loss of its own.
+:class:`OutputHead` takes its pieces as arguments: a ``pointwise`` map ``f`` (``None``,
+:class:`PLIF`, :class:`MonotoneMLP`, or any elementwise increasing callable or ``nnx.Module``),
+a ``normalizer`` (a name of :data:`NORMALIZERS` or any callable ``z -> log g(z)``) and
+``num_components`` (``> 1``: a mixture). ``head(h)`` returns full log-probabilities;
+``head.loss(h, labels, where)`` the mean NLL through the one chunked mechanism,
+:func:`bottleneck.losses.chunked_cross_entropy`, which never holds the full ``[N, M]`` logits
+(nor ``[N, K, M]``). The head holds the maths only: on a mesh (``jax.set_mesh``) the same
+computation runs per device through :func:`bottleneck.sharding.run_on_mesh`.
+
+:func:`make_head` builds the named presets of the papers ("softmax", "sigsoftmax", "plif",
+"mos", "moss", ...) as compositions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -25,13 +32,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from bottleneck.losses import (
     DEFAULT_MEMORY_BUDGET,
     check_label_range,
     chunked_cross_entropy,
+    measure_buffers_per_element,
     target_log_probs,
 )
 from bottleneck.mixtures import mixture_log_probs
@@ -43,7 +49,13 @@ from bottleneck.normalizers import (
     sigsoftmax_log_scores,
     softmax_log_scores,
 )
-from bottleneck.sharding import DATA, VOCAB, axis_size, padded_vocab_size
+from bottleneck.sharding import (
+    VocabShard,
+    padded_vocab_size,
+    run_on_mesh,
+    split_rows_by_vocab,
+    vocab_rows_metadata,
+)
 
 
 def _require_int(name: str, value: Any, minimum: int, why: str = "") -> int:
@@ -71,20 +83,6 @@ def _require_finite(name: str, value: Any, *, positive: bool) -> float:
     return number
 
 
-def _check_plif_options(num_knots: Any, bound: Any, plif_noise: Any) -> tuple[int, float, float]:
-    """PLIF options of a head, refused when degenerate (one knot, a non-finite bound, ...)."""
-    num_knots = _require_int(
-        "num_knots",
-        num_knots,
-        2,
-        " (one knot makes the PLIF affine, f(z) = s z + c: a softmax with a learned "
-        "temperature, not a nonlinear map)",
-    )
-    bound = _require_finite("bound", bound, positive=True)
-    plif_noise = _require_finite("plif_noise", plif_noise, positive=False)
-    return num_knots, bound, plif_noise
-
-
 def uniform_init(scale: float) -> Callable[..., jax.Array]:
     """``U(-scale, scale)`` initializer (the decoder init of Merity et al. and Yang et al.)."""
 
@@ -108,22 +106,155 @@ def padded_rows_init(init: Callable[..., jax.Array], num_rows: int) -> Callable[
     return padded
 
 
-class OutputHead(nnx.Module):
-    """Base output head: ``log_normalize(log_scores(W h + b))``; plain softmax as is.
+# Memory of the pieces, for the chunk sizing of `OutputHead.loss`: `buffers_per_logit` is the
+# number of float32 buffers the size of the logits that a piece adds at the peak of one chunk's
+# value and gradient, measured with compiled.memory_analysis() on XLA:CPU (tests/nn/test_heads.py
+# checks that a chunk stays within its budget). The head itself holds 2 (the logits and their
+# gradient). A piece that declares nothing is measured (`measure_buffers_per_element`).
+_HEAD_BUFFERS_PER_LOGIT = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalizer:
+    """A normalizer's elementwise log-score ``z -> log g(z)`` with its declared memory.
+
+    ``log_normalize(log_scores(z))`` is the normalizer; e.g. softmax ``z``, sigsoftmax
+    ``z + log sigma(z)`` (Kanai et al. 2018, eq. 11).
+    """
+
+    log_scores: Callable[[jax.Array], jax.Array]
+    buffers_per_logit: float
+
+    def __call__(self, z: jax.Array) -> jax.Array:
+        return self.log_scores(z)
+
+
+NORMALIZERS: dict[str, Normalizer] = {
+    "softmax": Normalizer(softmax_log_scores, 0.0),
+    "sigsoftmax": Normalizer(sigsoftmax_log_scores, 1.0),
+    "sigmoid": Normalizer(sigmoid_log_scores, 1.0),
+    "relu": Normalizer(relu_log_scores, 1.0),
+}
+
+
+def relu_normalizer(eps: float = 1e-8) -> Normalizer:
+    """Kanai's ReLU normalizer ``(relu(z) + eps) / sum (relu + eps)`` (eq. 34) with its ``eps``."""
+    eps = _require_finite("eps", eps, positive=True)
+    return Normalizer(functools.partial(relu_log_scores, eps=eps), 1.0)
+
+
+class PLIF(nnx.Module):
+    """LMS-PLIF (Ganea et al. 2019) as a module: learned slopes ``raw_slopes [K]`` and :func:`bn.plif`.
 
     Args:
-      in_features: ``d``, size of the hidden states fed to the decoder.
+      num_knots: ``K >= 2`` segments on ``[-bound, bound]`` (10^5 in the paper). ``bn.plif``
+        takes ``K = 1`` (an affine map), but the module refuses it: ``log_softmax`` of an
+        affine map of the logits is a softmax with a learned temperature, not the nonlinear
+        map a PLIF stands for.
+      bound: ``T``, finite and > 0.
+      noise: std (finite, >= 0) of the Gaussian noise added to the identity slopes at init.
+      rngs: NNX random streams (``params``).
+
+    The slopes are the parameter ``raw_slopes``; give them their own learning rate (0.02 in
+    the paper) with :func:`param_labels`.
+    """
+
+    buffers_per_logit = 5.5  # its gather, scatter-add and index arithmetic
+
+    def __init__(self, num_knots: int, *, bound: float = 20.0, noise: float = 0.0, rngs: nnx.Rngs):
+        num_knots = _require_int(
+            "num_knots",
+            num_knots,
+            2,
+            " (one knot makes the PLIF affine, f(z) = s z + c: a softmax with a learned "
+            "temperature, not a nonlinear map)",
+        )
+        self.bound = _require_finite("bound", bound, positive=True)
+        noise = _require_finite("noise", noise, positive=False)
+        self.raw_slopes = nnx.Param(plif_init(rngs.params(), num_knots, noise=noise))
+
+    def __call__(self, z: jax.Array) -> jax.Array:
+        return plif(z, self.raw_slopes[...], bound=self.bound)
+
+
+class MonotoneMLP(nnx.Module):
+    """Ganea's positive-weight monotone net as a module, beside :func:`bn.monotone_mlp`.
+
+    Its hidden layer costs ``[N, M, num_hidden]`` (the reason Ganea et al. moved to PLIF); a
+    head sizes its chunks for that.
+
+    Args:
+      num_hidden: ``H >= 1`` sigmoid units.
+      rngs: NNX random streams (``params``).
+    """
+
+    def __init__(self, num_hidden: int, *, rngs: nnx.Rngs):
+        self.num_hidden = _require_int("num_hidden", num_hidden, 1)
+        initial = monotone_mlp_init(rngs.params(), self.num_hidden)
+        self.names = tuple(initial)
+        for name, value in initial.items():
+            setattr(self, name, nnx.Param(value))
+
+    @property
+    def buffers_per_logit(self) -> float:
+        # Measured: 4.5 buffers per hidden unit per logit in all, the head's own 2 included.
+        return 4.5 * self.num_hidden - _HEAD_BUFFERS_PER_LOGIT
+
+    def __call__(self, z: jax.Array) -> jax.Array:
+        return monotone_mlp(z, {name: getattr(self, name)[...] for name in self.names})
+
+
+class OutputHead(nnx.Module):
+    r"""An output head composed of a pointwise map, a normalizer and an optional mixture.
+
+    .. math::
+       \log p(x \mid h) = \log \sum_{k=1}^{K} \pi_k(h)\,
+       \frac{g(f(W h_k + b)_x)}{\sum_m g(f(W h_k + b)_m)}, \qquad
+       h_k = \tanh(P_k h + c_k),\ \pi = \mathrm{norm}(w_\pi^\top h)
+
+    with ``K = 1`` meaning ``h_1 = h`` and no prior (a plain head), a decoder ``W`` shared by
+    the components, and all mixing in log space. The prior ``pi`` is normalized by the head's
+    own normalizer (softmax for MoS, sigsoftmax for MoSS as in Kanai et al.), without ``f``.
+
+    Args:
+      in_features: ``d``, size of the hidden states.
       vocab_size: ``M``.
       rngs: NNX random streams (``params``).
-      tied_embedding: an ``nnx.Embed`` (or its ``[M, d]`` ``nnx.Param``) whose table is used
+      pointwise: ``f``: ``None`` (identity), :class:`PLIF`, :class:`MonotoneMLP`, or any
+        callable / ``nnx.Module`` mapping logits elementwise and increasingly (its parameters
+        are the head's). It may declare ``buffers_per_logit`` (see below).
+      normalizer: ``"softmax"``, ``"sigsoftmax"``, ``"sigmoid"``, ``"relu"`` (the
+        :data:`NORMALIZERS`), a :class:`Normalizer`, or any callable / ``nnx.Module``
+        ``z -> log g(z)`` elementwise (e.g. ``lambda z: 2 * z``).
+      num_components: ``K >= 1``; ``K > 1`` makes a mixture with latents ``h_k`` of width
+        ``latent_features`` (Yang et al. 2018: 15).
+      latent_features: ``d'``, width of each ``h_k`` and of the decoder (default ``d``;
+        mixtures only).
+      tied_embedding: an ``nnx.Embed`` (or its ``[M, d']`` ``nnx.Param``) whose table is used
         as the decoder ``W`` (weight tying, Press & Wolf 2017; Merity et al.).
       use_bias: learn an output bias ``b`` ``[M]`` (zeros at init).
       memory_budget: bytes one chunk of :meth:`loss` may use.
       param_dtype: dtype of the parameters; logits and reductions are float32 regardless.
-      mesh: a ``("data", "vocab")`` mesh (:func:`bottleneck.sharding.make_mesh`) to run
-        :meth:`loss` data- and vocabulary-parallel: the decoder and bias are sharded on
-        ``vocab`` (stored with :func:`~bottleneck.sharding.padded_vocab_size` rows, the extra
-        ones masked out), tokens on ``data``. ``None``: one device.
+
+    Memory: :meth:`loss` sizes its chunks from the float32 buffers per logit the pieces hold
+    at their peak: 2 for the head, plus each piece's ``buffers_per_logit`` when it declares
+    one; a piece that does not (a user's callable) is measured once per shape by compiling a
+    small chunk (:func:`bottleneck.losses.measure_buffers_per_element`).
+
+    On a mesh: build and call the head inside ``with jax.set_mesh(mesh)`` for a
+    ``("data", "vocab")`` mesh (:func:`bottleneck.sharding.make_mesh`); the decoder and bias
+    are then stored with :func:`~bottleneck.sharding.padded_vocab_size` rows split on
+    ``vocab`` (the extra rows masked out), and :meth:`loss` / :meth:`label_log_probs` run
+    data- and vocabulary-parallel.
+
+    Example:
+      >>> from flax import nnx
+      >>> from bottleneck import nn
+      >>> rngs = nnx.Rngs(0)
+      >>> head = nn.OutputHead(8, 100, rngs=rngs, pointwise=nn.PLIF(64, rngs=rngs),
+      ...                      normalizer="sigsoftmax", num_components=3)
+      >>> head(jnp.ones((2, 8))).shape
+      (2, 100)
     """
 
     def __init__(
@@ -132,29 +263,46 @@ class OutputHead(nnx.Module):
         vocab_size: int,
         *,
         rngs: nnx.Rngs,
+        pointwise: Callable[[jax.Array], jax.Array] | None = None,
+        normalizer: str | Callable[[jax.Array], jax.Array] = "softmax",
+        num_components: int = 1,
+        latent_features: int | None = None,
         tied_embedding: nnx.Embed | nnx.Param | None = None,
         use_bias: bool = True,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         param_dtype: Any = jnp.float32,
-        mesh: Mesh | None = None,
     ):
         if in_features < 1 or vocab_size < 1:
             raise ValueError(
                 f"in_features and vocab_size must be >= 1, got {in_features} and {vocab_size}"
             )
         _require_finite("memory_budget", memory_budget, positive=True)  # bytes
+        num_components = _require_int("num_components", num_components, 1)
+        if latent_features is not None:
+            latent_features = _require_int("latent_features", latent_features, 1)
+            if num_components == 1:
+                raise ValueError(
+                    "latent_features applies to mixtures (num_components > 1); a plain head "
+                    "decodes h itself"
+                )
+        if pointwise is not None and not callable(pointwise):
+            raise ValueError(
+                f"pointwise must be None, an nnx.Module or a callable z -> f(z), got {pointwise!r}"
+            )
         self.in_features = in_features
         self.vocab_size = vocab_size
         self.memory_budget = memory_budget
-        self.mesh = mesh
-        rows = padded_vocab_size(vocab_size, mesh)
-        sharded_rows = {"out_sharding": (VOCAB, None), "mesh": mesh} if self.vocab_parallel else {}
+        self.num_components = num_components
+        self.pointwise = pointwise
+        self.normalizer = _resolve_normalizer(normalizer)
+        self.latent_features = in_features if latent_features is None else latent_features
+        rows = padded_vocab_size(vocab_size)
         if tied_embedding is None:
             self.decoder = nnx.Param(
                 padded_rows_init(uniform_init(0.1), vocab_size)(
-                    rngs.params(), (rows, self.decoder_features), param_dtype
+                    rngs.params(), (rows, self.latent_features), param_dtype
                 ),
-                **sharded_rows,
+                **vocab_rows_metadata(2),
             )
         else:
             table = (
@@ -162,221 +310,138 @@ class OutputHead(nnx.Module):
                 if isinstance(tied_embedding, nnx.Embed)
                 else tied_embedding
             )
-            if table.shape != (rows, self.decoder_features):
+            if table.shape != (rows, self.latent_features):
                 raise ValueError(
-                    f"tied_embedding must have shape [padded_vocab_size, {self.decoder_features}] "
-                    f"= {(rows, self.decoder_features)}, got {table.shape}"
+                    f"tied_embedding must have shape [padded_vocab_size, {self.latent_features}] "
+                    f"= {(rows, self.latent_features)}, got {table.shape}"
                 )
-            if self.vocab_parallel:  # the shared table lives vocab-sharded, like the decoder
-                table.set_metadata(**sharded_rows)
-                table.set_value(jax.device_put(table.get_value(), NamedSharding(mesh, P(VOCAB))))
+            split_rows_by_vocab(table)  # the shared table lives split like the decoder
             self.decoder = table
-        sharded_bias = {"out_sharding": (VOCAB,), "mesh": mesh} if self.vocab_parallel else {}
-        self.bias = nnx.Param(jnp.zeros((rows,), param_dtype), **sharded_bias) if use_bias else None
+        self.bias = (
+            nnx.Param(jnp.zeros((rows,), param_dtype), **vocab_rows_metadata(1))
+            if use_bias
+            else None
+        )
+        if num_components > 1:
+            self.latent = nnx.Linear(
+                in_features, num_components * self.latent_features, rngs=rngs,
+                param_dtype=param_dtype,
+            )  # fmt: skip
+            self.prior = nnx.Linear(
+                in_features, num_components, use_bias=False, rngs=rngs, param_dtype=param_dtype
+            )
 
     @property
-    def vocab_parallel(self) -> bool:
-        """Whether the decoder is split over the mesh's ``vocab`` axis."""
-        return axis_size(self.mesh, VOCAB) > 1
-
-    @property
-    def decoder_features(self) -> int:
-        """Width of the vectors the decoder ``W`` multiplies (``d``; a mixture's latent size)."""
-        return self.in_features
-
-    @property
-    def num_components(self) -> int:
-        return 1
+    def is_mixture(self) -> bool:
+        return self.num_components > 1
 
     @property
     def elements_per_token(self) -> int:
-        """Size of one token's largest intermediate, for :meth:`loss`'s chunk sizing."""
+        """Logits per token (``K * M``), for :meth:`loss`'s chunk sizing."""
         return self.num_components * self.vocab_size
 
-    # Float32 buffers of [chunk, elements_per_token] live at the peak of one chunk's value and
-    # gradient, measured with compiled.memory_analysis() on XLA:CPU (tests/nn/test_heads.py
-    # checks that a chunk stays within memory_budget): softmax keeps the logits and their
-    # gradient; normalizers with a log-sigmoid add one; PLIF's gather/scatter several.
-    buffers_per_element: float = 2.0
+    @property
+    def declared_buffers_per_element(self) -> float | None:
+        """Float32 buffers per logit at a chunk's peak, if every piece declares its own."""
+        pieces = [p for p in (self.pointwise, self.normalizer) if p is not None]
+        declared = [getattr(piece, "buffers_per_logit", None) for piece in pieces]
+        if any(cost is None for cost in declared):
+            return None
+        return _HEAD_BUFFERS_PER_LOGIT + sum(declared)
+
+    @property
+    def buffers_per_element(self) -> float:
+        """Float32 buffers per logit at a chunk's peak: declared, or measured for float32 ``h``."""
+        declared = self.declared_buffers_per_element
+        return _measured_buffers(self, jnp.float32, False) if declared is None else declared
+
+    # ---- the maths ----
 
     def logits(self, x: jax.Array) -> jax.Array:
-        """``W x + b``: ``[..., decoder_features] -> [..., M]``, accumulated in float32."""
+        """``W x + b``: ``[..., d'] -> [..., M]`` (this device's rows), accumulated in float32."""
         z = jnp.einsum("...d,md->...m", x, self.decoder[...], preferred_element_type=jnp.float32)
         if self.bias is not None:
             z = z + self.bias[...].astype(jnp.float32)
         return z
 
     def log_scores(self, z: jax.Array) -> jax.Array:
-        """The normalizer's elementwise ``log g(z)``; ``z`` for softmax."""
-        return softmax_log_scores(z)
+        """``log g(f(z))``, elementwise: the pointwise map, then the normalizer's log-score."""
+        if self.pointwise is not None:
+            z = self.pointwise(z)
+        return self.normalizer(z)
 
     def components(
         self, h: jax.Array, latent_mask: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array | None]:
         """``h [..., d]`` -> decoder inputs ``[..., K, d']`` and log prior ``[..., K]`` (or None).
 
-        ``latent_mask`` multiplies a mixture's latents (:class:`MixtureHead`); other heads have
-        none and refuse it.
+        ``latent_mask`` multiplies a mixture's latents (Yang et al.'s latent dropout).
         """
+        if not self.is_mixture:
+            if latent_mask is not None:
+                raise ValueError(
+                    "latent_mask applies to mixture heads only; this head has no latents"
+                )
+            return h[..., None, :], None
+        latent = jnp.tanh(self.latent(h))
         if latent_mask is not None:
-            raise ValueError(
-                f"latent_mask applies to mixture heads only; {type(self).__name__} has no latents"
-            )
-        return h[..., None, :], None
+            latent = latent * latent_mask.astype(latent.dtype)
+        latent = latent.reshape(*h.shape[:-1], self.num_components, self.latent_features)
+        return latent, log_normalize(self.normalizer(self.prior(h).astype(jnp.float32)))
 
-    @property
-    def latent_mask_features(self) -> int:
-        """Width of a per-token ``latent_mask`` (``K * d'``; 0: the head has no latents)."""
-        return 0
+    def token_log_probs(
+        self,
+        h: jax.Array,
+        labels: jax.Array,
+        latent_mask: jax.Array | None = None,
+        *,
+        vocab: VocabShard | None = None,
+    ) -> jax.Array:
+        """``log p(labels | h)`` ``[...]`` from the vocabulary columns ``vocab`` (default: all)."""
+        vocab = VocabShard(self.vocab_size) if vocab is None else vocab
+        inputs, log_prior = self.components(h, latent_mask)
+        scores = vocab.mask_padding(self.log_scores(self.logits(inputs)))
+        per_component = target_log_probs(
+            scores,
+            jnp.broadcast_to(labels[..., None], scores.shape[:-1]),
+            vocab_axis=vocab.axis,
+            vocab_offset=vocab.offset(scores.shape[-1]),
+            vocab_size=vocab.size,
+        )
+        if log_prior is None:
+            return per_component[..., 0]
+        return jax.nn.logsumexp(per_component + log_prior.astype(jnp.float32), axis=-1)
 
-    def _check_hidden(self, h: jax.Array) -> None:
-        if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != self.in_features:
-            raise ValueError(f"h must have shape [..., {self.in_features}], got {jnp.shape(h)}")
-
-    def _check_labels(self, labels: jax.Array) -> None:
-        """Integer dtype, and concrete labels within ``[0, vocab_size)`` (at masked positions too).
-
-        Traced labels cannot be read here; an out-of-range one makes :meth:`loss` NaN and its
-        :meth:`label_log_probs` entry NaN instead (:func:`~bottleneck.losses.target_log_probs`
-        and :func:`~bottleneck.losses.chunked_cross_entropy` check them in the computation,
-        on every mesh; a label in a vocabulary's padding columns is out of range too).
-        """
-        check_label_range(labels, self.vocab_size)
-
-    def _scores(self, inputs: jax.Array, first_column: jax.Array | int = 0) -> jax.Array:
-        """``log_scores(W x + b)`` for this shard's columns, padding columns at ``-inf``."""
-        scores = self.log_scores(self.logits(inputs))
-        if padded_vocab_size(self.vocab_size, self.mesh) == self.vocab_size:
-            return scores
-        columns = first_column + jnp.arange(scores.shape[-1])
-        return jnp.where(columns < self.vocab_size, scores, -jnp.inf)
+    # ---- the public interface ----
 
     def __call__(self, h: jax.Array) -> jax.Array:
         """Full log-probabilities ``[..., M]`` for hidden states ``h [..., d]``."""
         self._check_hidden(h)
         inputs, log_prior = self.components(h)
-        component_log_probs = log_normalize(self._scores(inputs))[..., : self.vocab_size]
+        scores = VocabShard(self.vocab_size).mask_padding(self.log_scores(self.logits(inputs)))
+        component_log_probs = log_normalize(scores)[..., : self.vocab_size]
         if log_prior is None:
             return component_log_probs[..., 0, :]
         return mixture_log_probs(component_log_probs, log_prior)
-
-    def _per_token_latent_mask(self, h: jax.Array, latent_mask: jax.Array | None) -> Any:
-        """``latent_mask`` broadcast to one row per token ``[..., K * d']`` (None stays None)."""
-        if latent_mask is None:
-            return None
-        if not self.latent_mask_features:
-            self.components(h, latent_mask)  # raises the head's own error
-        shape = (*h.shape[:-1], self.latent_mask_features)
-        try:
-            return jnp.broadcast_to(latent_mask, shape).astype(h.dtype)
-        except ValueError:
-            raise ValueError(
-                f"latent_mask must broadcast to {shape} (h {h.shape}), got {jnp.shape(latent_mask)}"
-            ) from None
-
-    def _state_specs(self, state: nnx.State) -> Any:
-        """Partition specs of this head's state: decoder and bias on ``vocab``, the rest replicated."""
-
-        def spec(path: tuple[Any, ...], leaf: jax.Array) -> P:
-            owner = getattr(path[0], "key", None)
-            if self.vocab_parallel and owner in ("decoder", "bias"):
-                return P(VOCAB, *([None] * (leaf.ndim - 1)))
-            return P()
-
-        return jax.tree_util.tree_map_with_path(spec, state)
 
     def label_log_probs(
         self, h: jax.Array, labels: jax.Array, latent_mask: jax.Array | None = None
     ) -> jax.Array:
         """``log p(labels | h)`` ``[...]`` for ``h [..., d]``, without normalizing into ``[..., M]``.
 
-        With a mesh it runs under ``shard_map`` (:meth:`_on_mesh`): tokens split on ``data``,
-        decoder columns on ``vocab``, and :func:`~bottleneck.losses.target_log_probs` combines
-        the shards. ``latent_mask``: see :meth:`loss`.
-
-        Labels must lie in ``[0, M)``: a ``ValueError`` for concrete labels, NaN at the
-        position of an out-of-range one under tracing (``jit``), never a plausible number.
+        On a mesh the tokens are split on ``data`` and the decoder columns on ``vocab``.
+        ``latent_mask``: see :meth:`loss`. Labels must lie in ``[0, M)``: a ``ValueError``
+        for concrete labels, NaN at the position of an out-of-range one under tracing
+        (``jit``), never a plausible number.
         """
         self._check_hidden(h)
-        self._check_labels(labels)
+        check_label_range(labels, self.vocab_size)
         constants = self._per_token_latent_mask(h, latent_mask)
-        if self.mesh is None:
-            return self._shard_label_log_probs(h, labels, None, constants)
-        graphdef, state = nnx.split(self)
-        vocab_axis = VOCAB if self.vocab_parallel else None
 
-        def local(state, h, labels, where, constants):
-            head = nnx.merge(graphdef, state)
-            return head._shard_label_log_probs(h, labels, vocab_axis, constants)
+        def local(head, h, labels, where, constants, *, vocab, data_axis, devices):
+            return head.token_log_probs(h, labels, constants, vocab=vocab)
 
-        log_probs = self._on_mesh(local, state, h, labels, None, constants, out_specs=P(DATA))
-        return log_probs[: labels.size].reshape(labels.shape)
-
-    def _on_mesh(
-        self,
-        local: Callable[..., jax.Array],
-        state: nnx.State,
-        h: jax.Array,
-        labels: jax.Array,
-        where: jax.Array | None,
-        constants: jax.Array | None,
-        out_specs: P,
-    ) -> jax.Array:
-        """``local(state, h, labels, where, constants)`` under ``shard_map`` on this head's mesh.
-
-        The tokens are flattened and padded to a multiple of the ``data`` axis (padding masked
-        out in ``where``), and each device gets one contiguous block of them; the decoder and
-        bias are split on ``vocab``, everything else replicated. Inputs ``[T, B]`` sharded on
-        ``B`` should come batch-major (``[B, T]``) so that the flattening moves no data.
-        """
-        if jnp.shape(labels) != h.shape[:-1] or (
-            where is not None and jnp.shape(where) != h.shape[:-1]
-        ):
-            raise ValueError(
-                f"labels and where must have shape {h.shape[:-1]} (h {h.shape} without its "
-                f"feature axis), got {jnp.shape(labels)} and {jnp.shape(where)}"
-            )
-        num_tokens, token_dims = labels.size, labels.ndim
-        flat = lambda x: x.reshape(num_tokens, *x.shape[token_dims:])  # noqa: E731
-        h, labels = flat(h), flat(labels)
-        where = jnp.ones((num_tokens,), bool) if where is None else flat(jnp.asarray(where, bool))
-        constants = None if constants is None else flat(constants)
-        padding = -num_tokens % axis_size(self.mesh, DATA)
-        if padding:
-            pad = lambda x: jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
-            h, labels, where = pad(h), pad(labels), pad(where)
-            constants = None if constants is None else pad(constants)
-        return jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(self._state_specs(state), P(DATA, None), P(DATA), P(DATA), P(DATA, None)),
-            out_specs=out_specs,
-        )(state, h, labels, where, constants)
-
-    def _shard_label_log_probs(
-        self,
-        h: jax.Array,
-        labels: jax.Array,
-        vocab_axis: str | None,
-        latent_mask: jax.Array | None = None,
-    ) -> jax.Array:
-        """``log p(labels | h)`` from this shard's decoder columns, split over ``vocab_axis``."""
-        inputs, log_prior = self.components(h, latent_mask)
-        first_column = 0
-        if vocab_axis is not None:
-            first_column = jax.lax.axis_index(vocab_axis) * self.decoder.shape[0]
-        scores = self._scores(inputs, first_column)
-        per_component = target_log_probs(
-            scores,
-            jnp.broadcast_to(labels[..., None], scores.shape[:-1]),
-            vocab_axis=vocab_axis,
-            vocab_offset=first_column,
-            vocab_size=self.vocab_size,
-        )
-        if log_prior is None:
-            return per_component[..., 0]
-        joint = per_component + log_prior.astype(jnp.float32)
-        return jax.nn.logsumexp(joint, axis=-1)
+        return run_on_mesh(self, local, self.vocab_size, h, labels, None, constants, per_token=True)
 
     def loss(
         self,
@@ -389,7 +454,7 @@ class OutputHead(nnx.Module):
         """Mean NLL over unmasked positions, in memory-bounded chunks.
 
         Equal to ``bn.cross_entropy(self(h), labels, where)`` to float32 round-off, gradients
-        included, while peak memory stays within ``memory_budget`` per chunk. With a mesh the
+        included, while peak memory stays within ``memory_budget`` per chunk. On a mesh the
         whole chunk loop runs inside one ``shard_map``: each device takes its block of tokens
         (``data``) and its decoder columns (``vocab``), the normalizers are combined across
         ``vocab`` per chunk and the parameter gradients across ``data`` once.
@@ -408,17 +473,19 @@ class OutputHead(nnx.Module):
           Scalar float32 loss.
         """
         self._check_hidden(h)
-        self._check_labels(labels)
+        check_label_range(labels, self.vocab_size)
         constants = self._per_token_latent_mask(h, latent_mask)
-        graphdef, state = nnx.split(self)
-        vocab_axis = VOCAB if self.vocab_parallel else None
-        devices = 1 if self.mesh is None else self.mesh.size
+        buffers = self.declared_buffers_per_element
+        if buffers is None:
+            buffers = _measured_buffers(self, h.dtype, constants is not None)
 
-        def token_log_probs(state, h, labels, constants=None):
-            head = nnx.merge(graphdef, state)
-            return head._shard_label_log_probs(h, labels, vocab_axis, constants)
+        def local(head, h, labels, where, constants, *, vocab, data_axis, devices):
+            graphdef, state = nnx.split(head)
 
-        def local_loss(state, h, labels, where, constants, data_axis=None):
+            def token_log_probs(state, h, labels, constants=None):
+                return nnx.merge(graphdef, state).token_log_probs(h, labels, constants, vocab=vocab)
+
+            shards = 1 if vocab.axis is None else jax.lax.axis_size(vocab.axis)
             return chunked_cross_entropy(
                 token_log_probs,
                 state,
@@ -426,289 +493,224 @@ class OutputHead(nnx.Module):
                 labels,
                 where,
                 token_constants=constants,
-                vocab_size=self.vocab_size,
+                vocab_size=head.vocab_size,
                 # This device's columns and its share of the budget (all devices together
                 # hold one chunk of the given budget, as on one device).
-                elements_per_token=-(-self.elements_per_token // axis_size(self.mesh, VOCAB)),
-                memory_budget=max(self.memory_budget // devices, 1),
-                buffers_per_element=self.buffers_per_element,
+                elements_per_token=-(-head.elements_per_token // shards),
+                memory_budget=max(head.memory_budget // devices, 1),
+                buffers_per_element=buffers,
                 data_axis=data_axis,
             )
 
-        if self.mesh is None:
-            return local_loss(state, h, labels, where, constants)
-        return self._on_mesh(
-            functools.partial(local_loss, data_axis=DATA),
-            state, h, labels, where, constants, out_specs=P(),
-        )  # fmt: skip
-
-
-class SoftmaxHead(OutputHead):
-    """``log_softmax(W h + b)``: the bottlenecked baseline (rank <= d + 1 without the bias)."""
-
-
-class SigsoftmaxHead(OutputHead):
-    """``log_sigsoftmax(W h + b)`` (Kanai et al. 2018, eq. 11)."""
-
-    buffers_per_element = 3.0
-
-    def log_scores(self, z: jax.Array) -> jax.Array:
-        return sigsoftmax_log_scores(z)
-
-
-class SigmoidHead(OutputHead):
-    """Kanai's sigmoid-based normalizer ``sigma(z_i) / sum_m sigma(z_m)`` (eq. 35)."""
-
-    buffers_per_element = 3.0
-
-    def log_scores(self, z: jax.Array) -> jax.Array:
-        return sigmoid_log_scores(z)
-
-
-class ReLUHead(OutputHead):
-    """Kanai's ReLU-based normalizer ``(relu(z_i) + eps) / sum_m (relu(z_m) + eps)`` (eq. 34)."""
-
-    buffers_per_element = 3.0
-
-    def __init__(
-        self, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, eps: float = 1e-8, **options
-    ):
-        super().__init__(in_features, vocab_size, rngs=rngs, **options)
-        self.eps = _require_finite("eps", eps, positive=True)
-
-    def log_scores(self, z: jax.Array) -> jax.Array:
-        return relu_log_scores(z, eps=self.eps)
-
-
-class PLIFHead(OutputHead):
-    """``log_softmax(plif(W h + b))``: LMS-PLIF (Ganea et al. 2019).
-
-    Args:
-      num_knots: ``K >= 2`` segments of the PLIF on ``[-bound, bound]`` (10^5 in the paper).
-        ``bn.plif`` takes ``K = 1`` (an affine map), but a head refuses it: ``log_softmax``
-        of an affine map of the logits is a softmax with a learned temperature, not the
-        nonlinear map a PLIF head stands for.
-      bound: ``T``, finite and > 0.
-      plif_noise: std (finite, >= 0) of the Gaussian noise added to the identity slopes at
-        init.
-      (others as :class:`OutputHead`.) The slopes are the parameter ``raw_slopes``; give
-      them their own learning rate with :func:`param_labels`.
-    """
-
-    buffers_per_element = 7.5
-
-    def __init__(
-        self,
-        in_features: int,
-        vocab_size: int,
-        *,
-        rngs: nnx.Rngs,
-        num_knots: int = 100_000,
-        bound: float = 20.0,
-        plif_noise: float = 0.0,
-        **options,
-    ):
-        num_knots, bound, plif_noise = _check_plif_options(num_knots, bound, plif_noise)
-        super().__init__(in_features, vocab_size, rngs=rngs, **options)
-        self.bound = bound
-        self.raw_slopes = nnx.Param(plif_init(rngs.params(), num_knots, noise=plif_noise))
-
-    def log_scores(self, z: jax.Array) -> jax.Array:
-        return plif(z, self.raw_slopes[...], bound=self.bound)
-
-
-class MonotoneMLPHead(OutputHead):
-    """``log_softmax(f(W h + b))`` with Ganea's positive-weight monotone net ``f``.
-
-    Its hidden layer costs ``[N, M, num_hidden]`` (the reason Ganea et al. moved to PLIF);
-    :meth:`loss` sizes its chunks for that.
-    """
-
-    def __init__(
-        self, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, num_hidden: int = 16, **options
-    ):
-        num_hidden = _require_int("num_hidden", num_hidden, 1)
-        super().__init__(in_features, vocab_size, rngs=rngs, **options)
-        self.monotone = nnx.data(
-            {k: nnx.Param(v) for k, v in monotone_mlp_init(rngs.params(), num_hidden).items()}
+        return run_on_mesh(
+            self, local, self.vocab_size, h, labels, where, constants, per_token=False
         )
-        self.num_hidden = num_hidden
 
-    @property
-    def elements_per_token(self) -> int:
-        return self.vocab_size * self.num_hidden
+    # ---- argument checks ----
 
-    buffers_per_element = 4.5
-
-    def log_scores(self, z: jax.Array) -> jax.Array:
-        return monotone_mlp(z, {k: v[...] for k, v in self.monotone.items()})
-
-
-_MIXTURE_NORMALIZERS = ("softmax", "sigsoftmax", "plif")
-# buffers_per_element of a mixture by its normalizer: as the single-component heads.
-_NORMALIZER_BUFFERS = {"softmax": 2.0, "sigsoftmax": 3.0, "plif": 7.5}
-
-
-class MixtureHead(OutputHead):
-    r"""Mixture of softmaxes (Yang et al. 2018) and its variants MoSS (Kanai) and MoS + PLIF.
-
-    .. math::
-       h_k = \tanh(W_k h + c_k), \quad \pi = \mathrm{norm}(w_\pi^\top h), \quad
-       p(x \mid h) = \sum_{k=1}^{K} \pi_k\, \mathrm{normalizer}(W h_k + b)_x
-
-    with a decoder ``W`` shared by the components. ``normalizer`` is ``"softmax"`` (MoS),
-    ``"sigsoftmax"`` (MoSS; its prior is a sigsoftmax too, as in Kanai et al.) or ``"plif"``
-    (MoS over PLIF-mapped logits, Ganea et al.). All mixing is in log space.
-
-    Args:
-      num_components: ``K >= 1`` (15 in Yang et al.).
-      normalizer: see above.
-      latent_features: ``d' >= 1``, the width of each ``h_k`` and of the decoder (default
-        ``d``).
-      num_knots, bound, plif_noise: PLIF options for ``normalizer="plif"``, checked as
-        :class:`PLIFHead`'s.
-      (others as :class:`OutputHead`; a tied embedding must be ``[M, d']``.)
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        vocab_size: int,
-        *,
-        rngs: nnx.Rngs,
-        num_components: int = 15,
-        normalizer: str = "softmax",
-        latent_features: int | None = None,
-        num_knots: int = 100_000,
-        bound: float = 20.0,
-        plif_noise: float = 0.0,
-        **options,
-    ):
-        if normalizer not in _MIXTURE_NORMALIZERS:
-            raise ValueError(
-                f"normalizer must be one of {_MIXTURE_NORMALIZERS}, got {normalizer!r}"
-            )
-        num_components = _require_int("num_components", num_components, 1)
-        if latent_features is not None:
-            latent_features = _require_int("latent_features", latent_features, 1)
-        # Checked whatever the normalizer, so that no degenerate option passes silently.
-        num_knots, bound, plif_noise = _check_plif_options(num_knots, bound, plif_noise)
-        self.latent_features = in_features if latent_features is None else latent_features
-        self._num_components = num_components
-        super().__init__(in_features, vocab_size, rngs=rngs, **options)
-        self.normalizer = normalizer
-        param_dtype = options.get("param_dtype", jnp.float32)
-        self.latent = nnx.Linear(
-            in_features, num_components * self.latent_features, rngs=rngs, param_dtype=param_dtype
-        )
-        self.prior = nnx.Linear(
-            in_features, num_components, use_bias=False, rngs=rngs, param_dtype=param_dtype
-        )
-        if normalizer == "plif":
-            self.bound = bound
-            self.raw_slopes = nnx.Param(plif_init(rngs.params(), num_knots, noise=plif_noise))
-
-    @property
-    def decoder_features(self) -> int:
-        return self.latent_features
-
-    @property
-    def num_components(self) -> int:
-        return self._num_components
-
-    @property
-    def buffers_per_element(self) -> float:
-        return _NORMALIZER_BUFFERS[self.normalizer]
-
-    def log_scores(self, z: jax.Array) -> jax.Array:
-        if self.normalizer == "sigsoftmax":
-            return sigsoftmax_log_scores(z)
-        if self.normalizer == "plif":
-            return plif(z, self.raw_slopes[...], bound=self.bound)
-        return softmax_log_scores(z)
+    def _check_hidden(self, h: jax.Array) -> None:
+        if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != self.in_features:
+            raise ValueError(f"h must have shape [..., {self.in_features}], got {jnp.shape(h)}")
 
     @property
     def latent_mask_features(self) -> int:
-        return self.num_components * self.latent_features
+        """Width of a per-token ``latent_mask`` (``K * d'``; 0: the head has no latents)."""
+        return self.num_components * self.latent_features if self.is_mixture else 0
 
-    def components(
-        self, h: jax.Array, latent_mask: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        latent = jnp.tanh(self.latent(h))
-        if latent_mask is not None:  # Yang et al.'s latent dropout
-            latent = latent * latent_mask.astype(latent.dtype)
-        latent = latent.reshape(*h.shape[:-1], self.num_components, self.latent_features)
-        prior_logits = self.prior(h).astype(jnp.float32)
-        prior_scores = (
-            sigsoftmax_log_scores(prior_logits) if self.normalizer == "sigsoftmax" else prior_logits
+    def _per_token_latent_mask(self, h: jax.Array, latent_mask: jax.Array | None) -> Any:
+        """``latent_mask`` broadcast to one row per token ``[..., K * d']`` (None stays None)."""
+        if latent_mask is None:
+            return None
+        if not self.is_mixture:
+            self.components(h, latent_mask)  # raises the error
+        shape = (*h.shape[:-1], self.latent_mask_features)
+        try:
+            return jnp.broadcast_to(latent_mask, shape).astype(h.dtype)
+        except ValueError:
+            raise ValueError(
+                f"latent_mask must broadcast to {shape} (h {h.shape}), got {jnp.shape(latent_mask)}"
+            ) from None
+
+
+def _resolve_normalizer(normalizer: Any) -> Callable[[jax.Array], jax.Array]:
+    if isinstance(normalizer, str):
+        if normalizer not in NORMALIZERS:
+            raise ValueError(
+                f"unknown normalizer {normalizer!r}; choose one of {', '.join(NORMALIZERS)} "
+                "or pass a callable z -> log g(z)"
+            )
+        return NORMALIZERS[normalizer]
+    if not callable(normalizer):
+        raise ValueError(
+            f"normalizer must be a name ({', '.join(NORMALIZERS)}) or a callable z -> log g(z), "
+            f"got {normalizer!r}"
         )
-        return latent, log_normalize(prior_scores)
+    return normalizer
 
 
-_HEADS: dict[str, tuple[type[OutputHead], dict[str, Any]]] = {
-    "softmax": (SoftmaxHead, {}),
-    "sigsoftmax": (SigsoftmaxHead, {}),
-    "sigmoid": (SigmoidHead, {}),
-    "relu": (ReLUHead, {}),
-    "plif": (PLIFHead, {}),
-    "monotone_mlp": (MonotoneMLPHead, {}),
-    "mos": (MixtureHead, {"normalizer": "softmax"}),
-    "moss": (MixtureHead, {"normalizer": "sigsoftmax"}),
-    "mos_plif": (MixtureHead, {"normalizer": "plif"}),
+# Measured chunk costs of heads with undeclared pieces, per (graph, parameter shapes): one
+# small compilation per head layout, not per call.
+_MEASURED: dict[Any, float] = {}
+
+
+def _measured_buffers(head: OutputHead, dtype: Any, with_constants: bool) -> float:
+    graphdef, state = nnx.split(head)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), state)
+    key = (graphdef, str(shapes), jnp.dtype(dtype), with_constants)
+    if key not in _MEASURED:
+        constants = (
+            jax.ShapeDtypeStruct((head.latent_mask_features,), dtype) if with_constants else None
+        )
+
+        def token_log_probs(state, h, labels, constants=None):
+            return nnx.merge(graphdef, state).token_log_probs(h, labels, constants)
+
+        _MEASURED[key] = measure_buffers_per_element(
+            token_log_probs,
+            shapes,
+            jax.ShapeDtypeStruct((head.in_features,), dtype),
+            elements_per_token=head.elements_per_token,
+            token_constants=constants,
+        )
+    return _MEASURED[key]
+
+
+# ---- presets ----
+
+
+@dataclasses.dataclass(frozen=True)
+class _Preset:
+    """A named composition: normalizer, pointwise module and whether it is a mixture."""
+
+    normalizer: str = "softmax"
+    pointwise: type[nnx.Module] | None = None
+    mixture: bool = False
+    defaults: tuple[tuple[str, Any], ...] = ()  # of the pointwise map's options
+
+
+_PRESETS: dict[str, _Preset] = {
+    "softmax": _Preset(),
+    "sigsoftmax": _Preset("sigsoftmax"),
+    "sigmoid": _Preset("sigmoid"),
+    "relu": _Preset("relu"),
+    "plif": _Preset(pointwise=PLIF, defaults=(("num_knots", 100_000),)),
+    "monotone_mlp": _Preset(pointwise=MonotoneMLP, defaults=(("num_hidden", 16),)),
+    "mos": _Preset(mixture=True),
+    "moss": _Preset("sigsoftmax", mixture=True),  # sigsoftmax components and prior, as Kanai
+    "mos_plif": _Preset(pointwise=PLIF, mixture=True, defaults=(("num_knots", 100_000),)),
 }
-HEAD_NAMES = tuple(_HEADS)
+HEAD_NAMES = tuple(_PRESETS)
+
+# The presets' option names for a piece's constructor arguments, where they differ (configs
+# and CLIs hold PLIF's noise as "plif_noise").
+_OPTION_NAMES = {"noise": "plif_noise"}
+_CONSTRUCTOR_NAMES = {v: k for k, v in _OPTION_NAMES.items()}
+_MIXTURE_OPTIONS = ("num_components", "latent_features")
+
+
+def _keyword_options(callable_: Callable[..., Any]) -> tuple[str, ...]:
+    """Keyword arguments of ``callable_`` (rngs excluded) with their preset names."""
+    parameters = inspect.signature(callable_).parameters.items()
+    return tuple(
+        _OPTION_NAMES.get(name, name)
+        for name, parameter in parameters
+        if name not in ("self", "rngs", "in_features", "vocab_size")
+        and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+    )
+
+
+_HEAD_OPTIONS = tuple(
+    name
+    for name in _keyword_options(OutputHead.__init__)
+    if name not in ("pointwise", "normalizer", *_MIXTURE_OPTIONS)
+)
+
+
+def _preset_options(name: str) -> tuple[str, ...]:
+    """Options a preset takes beyond the head's common ones."""
+    preset = _PRESETS[name]
+    options = _keyword_options(preset.pointwise.__init__) if preset.pointwise is not None else ()
+    if preset.normalizer == "relu":
+        options += _keyword_options(relu_normalizer)
+    if preset.mixture:
+        options += _MIXTURE_OPTIONS
+    return options
+
+
+def _check_preset_name(name: str) -> _Preset:
+    if name not in _PRESETS:
+        raise ValueError(f"unknown head {name!r}; choose one of {', '.join(HEAD_NAMES)}")
+    return _PRESETS[name]
 
 
 def make_head(
-    name: str, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, **options
+    name: str, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, **options: Any
 ) -> OutputHead:
-    """Builds a head by name (for CLIs): one of :data:`HEAD_NAMES`.
+    """Builds a named preset (for CLIs): one of :data:`HEAD_NAMES`, each an :class:`OutputHead`.
 
-    ``"mos"``, ``"moss"`` and ``"mos_plif"`` are :class:`MixtureHead` with the softmax,
-    sigsoftmax and PLIF normalizer. ``options`` go to the head's constructor; an option the head
-    does not take is a ``ValueError`` that lists those it does.
+    "softmax", "sigsoftmax", "sigmoid", "relu" (option ``eps``): a normalizer; "plif"
+    (``num_knots``, ``bound``, ``plif_noise``) and "monotone_mlp" (``num_hidden``): a pointwise
+    map under softmax; "mos", "moss" (sigsoftmax components and prior, as Kanai et al.),
+    "mos_plif": mixtures (``num_components`` >= 2, default 15; ``latent_features``). Every
+    preset takes :class:`OutputHead`'s common options (``tied_embedding``, ``use_bias``,
+    ``memory_budget``, ``param_dtype``); any other option is a ``ValueError`` that lists those
+    it does take. A seed gives the same parameters as the heads of bottleneck 0.1.0 did.
     """
-    if name not in _HEADS:
-        raise ValueError(f"unknown head {name!r}; choose one of {', '.join(HEAD_NAMES)}")
-    accepted = _COMMON_OPTIONS + _HEAD_OPTIONS.get(name, ())
+    preset = _check_preset_name(name)
+    accepted = _HEAD_OPTIONS + _preset_options(name)
     refused = sorted(set(options) - set(accepted))
     if refused:
         raise ValueError(
             f"head {name!r} takes no option {', '.join(refused)}; it takes {', '.join(accepted)}"
         )
-    head_cls, fixed = _HEADS[name]
-    return head_cls(in_features, vocab_size, rngs=rngs, **fixed, **options)
-
-
-# Every head's constructor takes OutputHead's keyword options; presets add their own.
-_COMMON_OPTIONS = tuple(
-    name
-    for name, parameter in inspect.signature(OutputHead.__init__).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "rngs"
-)
-_PLIF_OPTIONS = ("num_knots", "bound", "plif_noise")
-_MIXTURE_OPTIONS = ("num_components", "latent_features")
-_HEAD_OPTIONS: dict[str, tuple[str, ...]] = {
-    "relu": ("eps",),
-    "plif": _PLIF_OPTIONS,
-    "monotone_mlp": ("num_hidden",),
-    "mos": _MIXTURE_OPTIONS,
-    "moss": _MIXTURE_OPTIONS,
-    "mos_plif": _MIXTURE_OPTIONS + _PLIF_OPTIONS,
-}
+    head_options = {k: v for k, v in options.items() if k in _HEAD_OPTIONS}
+    mixture_options = {k: v for k, v in options.items() if k in _MIXTURE_OPTIONS}
+    piece_options = dict(preset.defaults) | {
+        _CONSTRUCTOR_NAMES.get(k, k): v
+        for k, v in options.items()
+        if k not in _HEAD_OPTIONS and k not in _MIXTURE_OPTIONS
+    }
+    if preset.mixture:
+        mixture_options.setdefault("num_components", 15)
+        _require_int(
+            "num_components",
+            mixture_options["num_components"],
+            2,
+            f" for the mixture preset {name!r} (one component is a plain head)",
+        )
+    if preset.pointwise is not None:  # a bad option fails before any parameter is drawn
+        inspect.signature(preset.pointwise.__init__).bind(None, **piece_options, rngs=rngs)
+    normalizer = (
+        relu_normalizer(**piece_options) if preset.normalizer == "relu" else preset.normalizer
+    )
+    head = OutputHead(
+        in_features, vocab_size, rngs=rngs, normalizer=normalizer, **mixture_options,
+        **head_options,
+    )  # fmt: skip
+    if preset.pointwise is not None:
+        # Drawn after the head's parameters, the order the heads of bottleneck 0.1.0 drew them
+        # in, so that a seed gives the same parameters as before heads became compositions.
+        head.pointwise = nnx.data(preset.pointwise(**piece_options, rngs=rngs))
+    return head
 
 
 def head_options(name: str, **candidates: Any) -> dict[str, Any]:
-    """The subset of ``candidates`` that head ``name`` takes, for configs that hold them all.
+    """The subset of ``candidates`` that preset ``name`` takes beyond the common options.
+
+    For configs that hold every preset's options.
 
     Example:
       >>> head_options("mos_plif", num_knots=10, num_components=4, num_hidden=8, seed=0)
       {'num_knots': 10, 'num_components': 4}
     """
-    if name not in _HEADS:
-        raise ValueError(f"unknown head {name!r}; choose one of {', '.join(HEAD_NAMES)}")
-    accepted = _HEAD_OPTIONS.get(name, ())
+    _check_preset_name(name)
+    accepted = _preset_options(name)
     return {key: value for key, value in candidates.items() if key in accepted}
+
+
+def is_mixture_preset(name: str) -> bool:
+    """Whether preset ``name`` is a mixture (its decoder width is ``latent_features``)."""
+    return _check_preset_name(name).mixture
 
 
 PLIF_SLOPES_LABEL = "plif_slopes"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
 from bottleneck.nn.heads import OutputHead, make_head
-from bottleneck.sharding import DATA, axis_size
+from bottleneck.sharding import DATA, axis_size, context_mesh
 
 
 class ContextEmbeddingModel(nnx.Module):
@@ -24,10 +23,10 @@ class ContextEmbeddingModel(nnx.Module):
       num_outcomes: ``M``.
       head: a name from :data:`bottleneck.nn.HEAD_NAMES`.
       rngs: NNX random streams.
-      mesh: optional ``("data", "vocab")`` mesh: contexts sharded on ``data``, the head
-        vocabulary-parallel on ``vocab``; place the model with
-        :func:`bottleneck.sharding.shard_model`.
       head_options: passed to :func:`bottleneck.nn.make_head`.
+
+    Built inside ``with jax.set_mesh(mesh)`` for a ``("data", "vocab")`` mesh, the contexts are
+    sharded on ``data`` and the head is vocabulary-parallel on ``vocab``.
     """
 
     def __init__(
@@ -38,20 +37,17 @@ class ContextEmbeddingModel(nnx.Module):
         head: str,
         *,
         rngs: nnx.Rngs,
-        mesh: Mesh | None = None,
         **head_options,
     ):
         if num_contexts < 1 or features < 1:
             raise ValueError(
                 f"num_contexts and features must be >= 1, got {num_contexts} and {features}"
             )
-        sharded = {"out_sharding": (DATA, None), "mesh": mesh} if axis_size(mesh, DATA) > 1 else {}
+        sharded = {"out_sharding": (DATA, None)} if axis_size(context_mesh(), DATA) > 1 else {}
         self.contexts = nnx.Param(
             jax.random.normal(rngs.params(), (num_contexts, features), jnp.float32), **sharded
         )
-        self.head: OutputHead = make_head(
-            head, features, num_outcomes, rngs=rngs, mesh=mesh, **head_options
-        )
+        self.head: OutputHead = make_head(head, features, num_outcomes, rngs=rngs, **head_options)
 
     def __call__(self) -> jax.Array:
         """Log-probabilities ``[N, M]`` of every outcome in every context."""

@@ -15,7 +15,6 @@ import bottleneck as bn
 from bottleneck import nn
 from bottleneck.nn.awd_lstm import (
     AWDLSTM,
-    MIXTURE_HEAD_NAMES,
     embed,
     inverted_dropout_masks,
     locked_dropout,
@@ -193,11 +192,11 @@ def test_tied_embedding_is_one_shared_parameter(name, head, request):
     np.testing.assert_allclose(merged.head.decoder[...], model.embedding.embedding[...] + 1.0)
 
 
-def test_mixture_head_names_are_the_mixture_heads():
+def test_mixture_presets_are_the_heads_with_components():
     for name in nn.HEAD_NAMES:
         options = {"num_knots": 10} if "plif" in name else {}
         head = nn.make_head(name, 4, 8, rngs=nnx.Rngs(0), **options)
-        assert isinstance(head, nn.MixtureHead) == (name in MIXTURE_HEAD_NAMES), name
+        assert head.is_mixture == nn.is_mixture_preset(name) == name.startswith("mos"), name
 
 
 def test_mos_model_has_a_latent_mask(mos_model, model):

@@ -52,7 +52,9 @@ def test_make_optimizer_gives_plif_slopes_their_own_rate():
     after = trainer.model
     np.testing.assert_array_equal(after.decoder[...], before.decoder[...])
     np.testing.assert_allclose(
-        after.raw_slopes[...], before.raw_slopes[...] - 0.02 * grads["raw_slopes"][...], atol=1e-7
+        after.pointwise.raw_slopes[...],
+        before.pointwise.raw_slopes[...] - 0.02 * grads["pointwise"]["raw_slopes"][...],
+        atol=1e-7,
     )
 
 
