@@ -17,6 +17,7 @@ from bottleneck.nn.heads import (
 )
 from bottleneck.nn.models import ContextEmbeddingModel
 from bottleneck.nn.moe import DenseMoE, dense_moe
+from bottleneck.nn.transformer import Transformer
 
 __all__ = [
     "AWDLSTM",
@@ -33,6 +34,7 @@ __all__ = [
     "SigmoidHead",
     "SigsoftmaxHead",
     "SoftmaxHead",
+    "Transformer",
     "make_head",
     "param_labels",
 ]
