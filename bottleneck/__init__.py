@@ -4,6 +4,7 @@ Data flow: hidden states -> logits (W h + b) -> pointwise map (PLIF / sig / none
 -> normalizer (log-space) -> mixture (optional) -> log-probs -> loss / rank diagnostics.
 """
 
+from bottleneck.generation import generate
 from bottleneck.losses import cross_entropy
 from bottleneck.mixtures import mixture_log_probs
 from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "cross_entropy",
     "effective_rank",
+    "generate",
     "jacobian_singular_values",
     "log_normalize",
     "log_relu_normalizer",
