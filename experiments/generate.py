@@ -98,6 +98,8 @@ def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nn
         raise UsageError(
             f"{root} holds a run of {owner or 'an unknown experiment'}, not of language_model.py"
         )
+    if not isinstance(saved.get("config"), dict):
+        raise UsageError(f"{config_path} records no config")
     known = {field.name for field in dataclasses.fields(language_model.Config)}
     unknown = sorted(set(saved["config"]) - known)
     if unknown:
