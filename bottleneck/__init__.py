@@ -4,6 +4,7 @@ Data flow: hidden states -> logits (W h + b) -> pointwise map (PLIF / sig / none
 -> normalizer (log-space) -> mixture (optional) -> log-probs -> loss / rank diagnostics.
 """
 
+from bottleneck.generation import generate
 from bottleneck.losses import chunked_cross_entropy, cross_entropy, target_log_probs
 from bottleneck.mixtures import mixture_log_probs
 from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
@@ -31,6 +32,7 @@ __all__ = [
     "chunked_cross_entropy",
     "cross_entropy",
     "effective_rank",
+    "generate",
     "jacobian_singular_values",
     "log_normalize",
     "log_relu_normalizer",

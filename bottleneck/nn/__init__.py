@@ -16,6 +16,7 @@ from bottleneck.nn.heads import (
 )
 from bottleneck.nn.models import ContextEmbeddingModel
 from bottleneck.nn.moe import DenseMoE, dense_moe
+from bottleneck.nn.transformer import Transformer
 
 __all__ = [
     "AWDLSTM",
@@ -29,6 +30,7 @@ __all__ = [
     "OutputHead",
     "dense_moe",
     "head_options",
+    "Transformer",
     "is_mixture_preset",
     "make_head",
     "param_labels",

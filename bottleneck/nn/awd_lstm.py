@@ -601,3 +601,24 @@ class AWDLSTM(nnx.Module):
         ar = activation_regularization(out.output, alpha, length)
         tar = temporal_activation_regularization(out.raw_output, beta, length)
         return nll + ar + tar, ObjectiveAux(nll, ar, tar, out.carry)
+
+    # Incremental decoding (:func:`bottleneck.generate`), batch-major like the Transformer's.
+
+    def init_decode_state(self, batch_size: int, max_len: int) -> Carry:
+        """The zero recurrent state; ``max_len`` is not needed (the state has a fixed size)."""
+        del max_len
+        return self.initial_carry(batch_size)
+
+    def prefill(self, state: Carry, tokens: jax.Array) -> tuple[jax.Array, Carry]:
+        """Feeds a prompt ``tokens [B, P]`` (no dropout): the log-probs ``[B, M]`` of the token
+        after it, and the state after it."""
+        if jnp.ndim(tokens) != 2:
+            raise ValueError(f"tokens must have shape [B, P], got {jnp.shape(tokens)}")
+        out = self.rnn(tokens.T, state)
+        return self.head(out.output[-1]), out.carry
+
+    def decode_step(self, state: Carry, tokens: jax.Array) -> tuple[jax.Array, Carry]:
+        """Feeds one token per sequence, ``tokens [B]``: the next log-probs ``[B, M]``, the state."""
+        if jnp.ndim(tokens) != 1:
+            raise ValueError(f"tokens must have shape [B], got {jnp.shape(tokens)}")
+        return self.prefill(state, tokens[:, None])

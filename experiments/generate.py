@@ -1,0 +1,205 @@
+"""Samples text from a trained run of experiments/language_model.py.
+
+    python experiments/generate.py --run_dir runs/ptb --num_tokens 50               # from <eos>
+    python experiments/generate.py --run_dir runs/ptb --num_tokens 50 --prompt "the company said" \\
+        --temperature 0.8 --top_p 0.95 --num_samples 3 --seed 1
+
+The model is rebuilt as the run built it: its config.json goes through language_model.py's own
+``Config``, ``load_data`` / ``shrink_corpus`` (the vocabulary: same corpus files, same
+--vocab_size) and ``build_model``, and the run's best parameters (``best_params`` of its latest
+checkpoint) are loaded into it. Sampling is :func:`bottleneck.generate`: incremental decoding
+with temperature, top-k (``--top_k 1``: greedy) and top-p. Any model family the run's
+``build_model`` makes works, as long as it has the decoding interface (AWD-LSTM, Transformer).
+
+The prompt is split on white space; every word must be in the run's vocabulary (PTB text is
+lower case, numbers are ``N``, rare words ``<unk>``), otherwise the script names the missing
+words and exits with status 2. Without a prompt the samples start a new sentence (they are
+conditioned on ``<eos>``).
+
+Output: the samples, each prompt followed by its continuation with ``<eos>`` shown as a line
+break, on stdout and in RUN/samples/<UTC time>_seed<S>.txt (a header line with the settings, then
+the samples). Nothing else in the run folder changes, except that a run whose prepared corpus
+was deleted has it prepared again under RUN/tfds, as language_model.py would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import language_model  # noqa: E402
+
+import bottleneck as bn  # noqa: E402
+from bottleneck.data import EOS  # noqa: E402
+from bottleneck.data.corpora import Vocabulary  # noqa: E402
+from bottleneck.train import parse_config, to_jsonable  # noqa: E402
+from bottleneck.train.checkpoint import CheckpointStore  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Sample text from a trained language_model.py run."""
+
+    run_dir: str = dataclasses.field(
+        default="", metadata={"help": "the --out_dir of a language_model.py run (required)"}
+    )
+    num_tokens: int = dataclasses.field(default=50, metadata={"help": "tokens to sample"})
+    temperature: float = dataclasses.field(default=1.0, metadata={"help": "> 0"})
+    top_k: int | None = dataclasses.field(
+        default=None, metadata={"help": "keep the k most likely tokens (1: greedy); none: all"}
+    )
+    top_p: float | None = dataclasses.field(
+        default=None, metadata={"help": "nucleus sampling, in (0, 1]; none: off"}
+    )
+    prompt: str = dataclasses.field(
+        default="", metadata={"help": "words to continue; empty: start a sentence"}
+    )
+    num_samples: int = dataclasses.field(default=1, metadata={"help": "samples of the prompt"})
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.run_dir:
+            raise ValueError("--run_dir is required")
+        for name in ("num_tokens", "num_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature} (greedy: --top_k 1)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or none, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or none, got {self.top_p}")
+
+
+class UsageError(Exception):
+    """A problem with the command line or the run folder it names (exit status 2)."""
+
+
+def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nnx.Module]:
+    """The run's config, vocabulary and model with its best parameters."""
+    root = Path(run_dir)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise UsageError(f"{root} is not a language_model.py run folder: it has no config.json")
+    try:
+        saved = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{config_path} is not valid JSON: {err}") from None
+    owner = saved.get("experiment") if isinstance(saved, dict) else None
+    if owner != "language_model":
+        raise UsageError(
+            f"{root} holds a run of {owner or 'an unknown experiment'}, not of language_model.py"
+        )
+    if not isinstance(saved.get("config"), dict):
+        raise UsageError(f"{config_path} records no config")
+    known = {field.name for field in dataclasses.fields(language_model.Config)}
+    unknown = sorted(set(saved["config"]) - known)
+    if unknown:
+        raise UsageError(
+            f"{config_path} has settings this language_model.py does not know "
+            f"({', '.join(unknown)}): the run was made by another version of it"
+        )
+    # The run's corpus is prepared under its own folder (tfds_dir none: OUT_DIR/tfds), wherever
+    # the folder is now.
+    config = dataclasses.replace(language_model.Config(**saved["config"]), out_dir=str(root))
+    checkpoints = root / "checkpoints"
+    if not checkpoints.is_dir():
+        raise UsageError(f"{root} has no checkpoints/ folder: the run never saved a model")
+    corpus = language_model.shrink_corpus(language_model.load_data(config), config)
+    model = language_model.build_model(config, len(corpus.vocabulary))
+    with CheckpointStore(checkpoints) as store:
+        if store.latest_step() is None:
+            raise UsageError(f"{checkpoints} holds no checkpoint: the run never saved a model")
+        try:
+            items, _ = store.restore({"best_params": nnx.state(model, nnx.Param)})
+        except ValueError as err:
+            raise UsageError(f"cannot load the model of {root}: {err}") from None
+    nnx.update(model, items["best_params"])
+    return config, corpus.vocabulary, model
+
+
+def encode_prompt(prompt: str, vocabulary: Vocabulary) -> list[str]:
+    """The prompt's words (``[<eos>]`` for an empty prompt); unknown words are a UsageError."""
+    words = prompt.split() or [EOS]
+    unknown = list(dict.fromkeys(word for word in words if word not in vocabulary))
+    if unknown:
+        raise UsageError(
+            f"--prompt has {len(unknown)} word(s) not in the run's vocabulary of "
+            f"{len(vocabulary)}: {', '.join(map(repr, unknown))} (PTB-style text is lower case, "
+            "numbers are N, rare words <unk>)"
+        )
+    return words
+
+
+def detokenize(tokens: list[str]) -> str:
+    """Tokens joined by spaces, each ``<eos>`` ending a line."""
+    lines, line = [], []
+    for token in tokens:
+        if token == EOS:
+            lines.append(" ".join(line))
+            line = []
+        else:
+            line.append(token)
+    return "\n".join([*lines, " ".join(line)]).strip("\n")
+
+
+def write_samples(root: Path, config: Config, texts: list[str]) -> Path:
+    """``root/samples/<UTC time>_seed<S>.txt``: a JSON header line, then the samples."""
+    folder = root / "samples"
+    folder.mkdir(exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = folder / f"{stamp}_seed{config.seed}.txt"
+    copy = 1
+    while path.exists():  # two runs in one second
+        path = folder / f"{stamp}_seed{config.seed}-{copy}.txt"
+        copy += 1
+    body = "".join(f"== sample {i + 1} ==\n{text}\n" for i, text in enumerate(texts))
+    path.write_text(f"# {json.dumps(to_jsonable(config))}\n{body}")
+    return path
+
+
+def run(config: Config) -> list[str]:
+    """Loads the run, samples ``num_samples`` continuations, prints and writes them."""
+    _, vocabulary, model = load_run(config.run_dir)
+    words = encode_prompt(config.prompt, vocabulary)
+    prompt = np.tile(vocabulary.encode(words), (config.num_samples, 1))
+    try:
+        tokens = bn.generate(
+            model,
+            prompt,
+            config.num_tokens,
+            key=jax.random.key(config.seed),
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+        )
+    except ValueError as err:  # e.g. top_k above the vocabulary, a Transformer's max_len
+        raise UsageError(str(err)) from None
+    shown = words if config.prompt.split() else []
+    texts = [detokenize(shown + vocabulary.decode(row)) for row in np.asarray(tokens)]
+    for i, text in enumerate(texts):
+        print(f"== sample {i + 1} ==\n{text}")
+    path = write_samples(Path(config.run_dir), config, texts)
+    print(f"\nwrote {path}")
+    return texts
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    config = parse_config(Config, {}, argv)
+    try:
+        return run(config)
+    except (UsageError, language_model.UsageError) as err:
+        print(f"generate.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,87 @@
+"""experiments/generate.py: a smoke run of language_model.py, then samples from it; bad inputs.
+
+The training run is a subprocess (one epoch of the smoke preset, XLA's fast compile mode);
+generate.py runs in-process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+import generate  # noqa: E402
+
+# The fixture corpus's vocabulary (tests/data/fixtures/ptb), <eos> closing every line.
+WORDS = {"the", "cat", "sat", "on", "mat", "dog", "a", "<unk>", "N", "years", "ago"}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke")
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_backend_optimization_level=0",
+        "JAX_PLATFORMS": "cpu",
+    }
+    flags = ["--preset", "smoke", "--epochs", "1", "--no-dynamic_eval", "--max_logprob_tokens", "0"]
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "language_model.py"), *flags, "--out_dir", out],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert process.returncode == 0, process.stderr
+    return out
+
+
+def test_samples_are_printed_written_and_a_function_of_the_seed(run_dir, capsys):
+    flags = ["--run_dir", str(run_dir), "--num_tokens", "7", "--prompt", "the cat sat"]
+    texts = generate.main([*flags, "--num_samples", "3", "--top_p", "0.9"])
+    assert len(texts) == 3 and len(set(texts)) > 1
+    for text in texts:
+        assert text.startswith("the cat sat")
+        # 3 prompt words and 7 sampled tokens, each <eos> a line break.
+        assert len(text.split()) + text.count("\n") <= 10 and set(text.split()) <= WORDS
+    stdout = capsys.readouterr().out
+    assert "== sample 3 ==" in stdout and texts[0] in stdout
+    assert generate.main([*flags, "--num_samples", "3", "--top_p", "0.9"]) == texts
+    assert generate.main([*flags, "--num_samples", "3", "--top_p", "0.9", "--seed", "1"]) != texts
+    files = sorted((run_dir / "samples").glob("*_seed0*.txt"))
+    assert len(files) == 2
+    header, *body = files[0].read_text().splitlines()
+    assert json.loads(header[2:])["top_p"] == 0.9 and body[0] == "== sample 1 =="
+    # No prompt: a new sentence (conditioned on <eos>), not printed.
+    (text,) = generate.main(["--run_dir", str(run_dir), "--num_tokens", "5", "--top_k", "1"])
+    assert set(text.split()) <= WORDS
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prompt", "the zebra sat Cat"], "2 word(s) not in the run's vocabulary of 12: 'zebra', 'Cat'"),
+        (["--top_k", "13"], "top_k must be in [1, 12]"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_usage_errors(run_dir, flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--run_dir", str(run_dir), *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_folder_that_is_not_a_language_model_run_is_refused(tmp_path, capsys):
+    other = tmp_path / "rank_run"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"experiment": "rank", "config": {}}))
+    for folder, message in [
+        (tmp_path, "is not a language_model.py run folder: it has no config.json"),
+        (other, "holds a run of rank, not of language_model.py"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            generate.main(["--run_dir", str(folder)])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not (other / "checkpoints").exists() and not (other / "samples").exists()

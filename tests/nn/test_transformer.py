@@ -1,0 +1,261 @@
+"""Transformer LM: shapes, causality, KV-cache decoding, training, the head's loss, dropout, tying.
+
+Compilation dominates on CPU, so the tests share two models (RoPE + RMSNorm + softmax head;
+learned positions + LayerNorm + MoS head) and two compiled entry points per model (cached on
+the model's graph), compiled without XLA's backend optimisations (half the compile time; these
+tests compile far more than they compute).
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import bottleneck as bn
+from bottleneck import nn
+from bottleneck.nn import Transformer
+from bottleneck.nn.transformer import causal_attention, rotary_embedding
+
+V, D, L, H, T, B, MAX_LEN = 24, 16, 2, 2, 8, 3, 16
+DROPOUT = {"embedding_dropout": 0.1, "residual_dropout": 0.1, "attention_dropout": 0.1}
+
+
+def build(name="rope", **options):
+    if name == "learned":
+        options = {
+            "position_encoding": "learned", "norm": "layernorm", "head": "mos",
+            "num_components": 3, **options,
+        }  # fmt: skip
+    sizes = {"d_model": D, "num_layers": L, "num_heads": H, "max_len": MAX_LEN}
+    return Transformer(V, rngs=nnx.Rngs(0), **{**sizes, **DROPOUT, **options})
+
+
+MODELS = {"rope": build("rope"), "learned": build("learned")}
+
+
+@pytest.fixture(params=list(MODELS))
+def model(request):
+    return MODELS[request.param]
+
+
+def fast_jit(fn):
+    """``fn(model, *args)`` compiled once per model graph and shapes, at XLA's -O0."""
+    compiled = jax.jit(
+        lambda graphdef, state, *args: fn(nnx.merge(graphdef, state), *args),
+        static_argnums=0,
+        compiler_options={"xla_backend_optimization_level": 0},
+    )
+    return lambda model, *args: compiled(*nnx.split(model), *args)
+
+
+@fast_jit
+def evaluate(model, x, y, where, key):
+    """Full log-probs, the evaluation loss through features + nll, and the training objective."""
+    return model(x), model.nll(model.features(x), y, where), model.objective(x, y, key=key)
+
+
+@fast_jit
+def decode(model, x, state):
+    """Prefill with the first 3 tokens, then one decode step per token: log-probs [B, T - 2, M]."""
+    first, state = model.prefill(state, x[:, :3])
+
+    def step(state, token):
+        return model.decode_step(state, token)[::-1]
+
+    state, rest = jax.lax.scan(step, state, x[:, 3:].T)
+    return jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1), state
+
+
+def tokens(shape=(B, T), seed=1):
+    return np.random.default_rng(seed).integers(0, V, shape).astype(np.int32)
+
+
+ALL = np.ones((B, T), bool)
+
+
+def test_shapes(model):
+    lp, eval_nll, (loss, aux) = evaluate(model, tokens(), tokens(seed=2), ALL, jax.random.key(0))
+    assert lp.shape == (B, T, V) and lp.dtype == jnp.float32
+    np.testing.assert_allclose(jnp.sum(jnp.exp(lp), -1), 1.0, rtol=1e-5)
+    assert eval_nll.shape == () and np.isfinite(eval_nll)
+    assert loss.shape == () and np.isfinite(loss) and loss == aux.nll
+    assert jax.eval_shape(model.features, tokens()).shape == (B, T, D)
+
+
+def test_a_future_token_cannot_change_a_past_prediction(model):
+    x, y, key = tokens(), tokens(seed=2), jax.random.key(0)
+    changed = x.copy()
+    changed[:, 5] = (x[:, 5] + 1) % V
+    before, after = evaluate(model, x, y, ALL, key)[0], evaluate(model, changed, y, ALL, key)[0]
+    np.testing.assert_allclose(after[:, :5], before[:, :5], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(after[:, 5:], before[:, 5:], atol=1e-4)  # the token is seen from 5 on
+
+
+def test_kv_cache_decoding_equals_the_full_forward_pass(model):
+    x = tokens()
+    full = evaluate(model, x, x, ALL, jax.random.key(0))[0]
+    # A cache longer than the sequence: its unfilled slots must be invisible.
+    steps, state = decode(model, x, model.init_decode_state(B, MAX_LEN))
+    assert int(state.length) == T
+    # float32 round-off of a different summation order (the cache's masked slots), not more.
+    np.testing.assert_allclose(steps, full[:, 2:], rtol=1e-5, atol=2e-5)
+
+
+def test_a_cache_overflow_is_nan_not_a_plausible_number():
+    model = MODELS["rope"]
+    steps, _ = decode(
+        model, tokens(), model.init_decode_state(B, T - 1)
+    )  # T positions, T - 1 slots
+    assert np.all(np.isfinite(steps[:, :-1])) and np.all(np.isnan(steps[:, -1]))
+    with pytest.raises(ValueError, match="cache's capacity"):
+        model.prefill(model.init_decode_state(B, 3), tokens()[:, :4])
+    with pytest.raises(ValueError, match="max_len must be in"):
+        model.init_decode_state(B, MAX_LEN + 1)
+
+
+def test_loss_equals_cross_entropy_of_the_full_log_probs(model):
+    x, y = tokens(), tokens(seed=2)
+    where = np.random.default_rng(3).random((B, T)) < 0.7
+    lp, loss, _ = evaluate(model, x, y, where, jax.random.key(0))
+    np.testing.assert_allclose(loss, bn.cross_entropy(lp, y, where), rtol=1e-5)
+
+
+def test_evaluation_is_deterministic_and_training_uses_dropout(model):
+    x, y = tokens(), tokens(seed=2)
+    run = lambda seed: evaluate(model, x, y, ALL, jax.random.key(seed))  # noqa: E731
+    chex.assert_trees_all_equal(run(0), run(0))  # a function of the key
+    (lp_0, eval_0, (train_0, _)), (lp_1, eval_1, (train_1, _)) = run(0), run(1)
+    chex.assert_trees_all_equal((lp_0, eval_0), (lp_1, eval_1))  # no dropout at evaluation
+    assert train_0 != train_1 and train_0 != eval_0  # dropout in training, keyed
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_loss_decreases_with_adamw(name):
+    model = MODELS[name]
+    x, y = tokens(), tokens(seed=2)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.adamw(1e-2)
+
+    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+    def step(params, opt_state, key):
+        def loss_fn(params):
+            return nnx.merge(graphdef, params).objective(x, y, key=key)[0]
+
+        grads = jax.grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction: float ** int32
+        for i in range(15):
+            params, opt_state = step(params, opt_state, jax.random.key(i))
+    before = evaluate(model, x, y, ALL, jax.random.key(0))[1]
+    after = evaluate(nnx.merge(graphdef, params), x, y, ALL, jax.random.key(0))[1]
+    assert after < 0.7 * before, (before, after)
+
+
+def test_tied_embedding_is_one_shared_parameter(model):
+    assert model.head.decoder is model.embedding.embedding
+    untied = nnx.eval_shape(lambda: build(model.position_encoding, tie_weights=False))
+    assert untied.head.decoder is not untied.embedding.embedding
+    count = lambda m: len(jax.tree.leaves(nnx.state(m, nnx.Param)))  # noqa: E731
+    assert count(untied) == count(model) + 1  # tying saves exactly the decoder table
+    graphdef, params = nnx.split(model, nnx.Param)
+    params["embedding"]["embedding"] = nnx.Param(params["embedding"]["embedding"][...] + 1.0)
+    merged = nnx.merge(graphdef, params)
+    np.testing.assert_allclose(merged.head.decoder[...], model.embedding.embedding[...] + 1.0)
+
+
+def test_rotary_embedding_depends_on_relative_positions_only():
+    q, k = np.random.default_rng(0).normal(size=(2, 1, 1, 8)).astype(np.float32)
+    positions = jnp.array([0, 3, 10, 100, 37, 7, 97])
+    rq = np.asarray(rotary_embedding(jnp.broadcast_to(q, (7, 1, 8)), positions))[:, 0]
+    rk = np.asarray(rotary_embedding(jnp.broadcast_to(k, (7, 1, 8)), positions))[:, 0]
+    np.testing.assert_allclose(rq[0], q[0, 0], rtol=1e-6)  # position 0: no rotation
+    np.testing.assert_allclose(np.linalg.norm(rq, axis=-1), np.linalg.norm(q), rtol=1e-5)
+    # (m, n) = (3, 0), (10, 7), (100, 97): the same offset, the same score.
+    scores = [rq[1] @ rk[0], rq[2] @ rk[5], rq[3] @ rk[6]]
+    np.testing.assert_allclose(scores, scores[0], rtol=1e-4)
+    assert not np.isclose(rq[2] @ rk[1], scores[0], rtol=1e-2)  # offset 7 differs
+
+
+def test_causal_attention_against_a_loop():
+    q, k, v = np.random.default_rng(0).normal(size=(3, 1, 4, 2, 6)).astype(np.float32)
+    positions = jnp.arange(4)
+    out = np.asarray(
+        causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), positions, positions)
+    )
+    for i in range(4):
+        logits = np.einsum("hd,khd->hk", q[0, i], k[0, : i + 1]) / np.sqrt(6)
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        np.testing.assert_allclose(
+            out[0, i], np.einsum("hk,khd->hd", weights, v[0, : i + 1]), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_bfloat16_parameters():
+    # Types only, on an abstract model (nothing is initialised or compiled): float32 outputs,
+    # and no implicit promotion anywhere under the tests' strict dtype promotion.
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build("learned", param_dtype=jnp.bfloat16)))
+    assert {leaf.dtype for leaf in jax.tree.leaves(state)} == {jnp.dtype(jnp.bfloat16)}
+
+    def run(state, x):
+        model = nnx.merge(graphdef, state)
+        cache = model.init_decode_state(B, T)
+        return model(x), model.objective(x, x, key=jax.random.key(0))[0], model.prefill(cache, x)
+
+    lp, loss, (next_lp, cache) = jax.eval_shape(run, state, tokens())
+    assert lp.shape == (B, T, V) and lp.dtype == loss.dtype == next_lp.dtype == jnp.float32
+    assert cache.keys[0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"d_model": 18, "num_heads": 4}, "num_heads must divide d_model"),
+        ({"d_model": 18, "num_heads": 2}, "even head size"),
+        ({"norm": "batchnorm"}, "norm must be one of"),
+        ({"position_encoding": "sinusoidal"}, "position_encoding must be one of"),
+        ({"attention_dropout": 1.0}, "attention_dropout must be in"),
+        ({"rope_base": float("nan")}, "rope_base"),
+        ({"max_len": 0}, "max_len must be >= 1"),
+        ({"num_knots": 8}, "takes no option num_knots"),
+    ],
+)
+def test_bad_arguments(options, match):
+    with pytest.raises(ValueError, match=match):
+        nnx.eval_shape(lambda: build(**options))
+
+
+def test_bad_inputs():
+    model = MODELS["rope"]
+    with pytest.raises(ValueError, match="more than max_len"):
+        model.features(tokens((B, MAX_LEN + 1)))
+    with pytest.raises(ValueError, match=r"shape \[B, T\]"):
+        model(tokens((T,)))
+    with pytest.raises(ValueError, match="targets must have the shape"):
+        model.objective(tokens(), tokens((B, T - 1)))
+
+
+def test_any_composed_head_through_a_factory():
+    """A user's composition (PLIF under sigsoftmax, a 2-component mixture) as the output layer."""
+
+    def head(d, m, *, rngs, **tied):
+        return nn.OutputHead(
+            d, m, rngs=rngs, pointwise=nn.PLIF(16, noise=0.5, rngs=rngs),
+            normalizer="sigsoftmax", num_components=2, latent_features=d, **tied,
+        )  # fmt: skip
+
+    model = build(head=head)
+    assert model.head.decoder is model.embedding.embedding
+    x, y = tokens(), tokens(seed=2)
+    log_probs, loss, _ = evaluate(model, x, y, ALL, jax.random.key(0))
+    np.testing.assert_allclose(loss, bn.cross_entropy(log_probs, y), rtol=1e-5)
+    with pytest.raises(ValueError, match="head_options .* apply to preset names"):
+        build(head=head, num_components=3)
