@@ -70,7 +70,7 @@ from bottleneck import nn
 from bottleneck.data import CORPORA, batchify, bptt_windows, limit_vocabulary, load_corpus
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
-from bottleneck.nn.awd_lstm import AWDLSTM, MIXTURE_HEAD_NAMES
+from bottleneck.nn.awd_lstm import AWDLSTM, MIXTURE_HEAD_NAMES, AWDLSTMLanguageModel
 from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_model
 from bottleneck.train import (
     RunFolderError,
@@ -451,7 +451,10 @@ def build_trainer(config: Config, model: AWDLSTM, mesh: Mesh | None = None) -> L
         weight_decay=config.weight_decay,
     )
     return LanguageModelTrainer(
-        model, tx, alpha=config.alpha, beta=config.beta, seed=config.seed, mesh=mesh
+        AWDLSTMLanguageModel(model, alpha=config.alpha, beta=config.beta),
+        tx,
+        seed=config.seed,
+        mesh=mesh,
     )
 
 
