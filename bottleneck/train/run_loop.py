@@ -38,6 +38,12 @@ folder whose checkpointed run had another config, but for the fields it is told 
 On SIGINT / SIGTERM the run finishes its step, saves and exits with status 128 + signal; a
 training loss that turns NaN or infinite stops it with :class:`TrainingDiverged` before anything
 of the broken epoch is saved.
+
+Writes to the run folder: config.json, metrics.jsonl (one line per epoch: train loss,
+validation perplexity, seconds, tokens/s; a final "test" line), results.json,
+log_probs/block_*.npy (test log-probabilities [T_i, M], float32, one row per test token in
+evaluation order: window, time step, sequence), log_prob_targets.npy (the rows' target ids) and
+checkpoints/.
 """
 
 from __future__ import annotations
