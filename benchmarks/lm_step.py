@@ -43,7 +43,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from bottleneck.data import BpttWindow
-from bottleneck.nn.awd_lstm import AWDLSTM
+from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel
 from bottleneck.train import make_optimizer
 from bottleneck.train.lm import LanguageModelTrainer, pad_window
 
@@ -73,7 +73,7 @@ def step_call(name: str, window: Any) -> Callable[[], Any]:
         grad_clip_norm=0.25,
         weight_decay=1.2e-6,
     )
-    trainer = LanguageModelTrainer(model, tx, alpha=2.0, beta=1.0)
+    trainer = LanguageModelTrainer(AWDLSTMLanguageModel(model, alpha=2.0, beta=1.0), tx)
     carry = trainer.initial_carry(BATCH)
 
     def call() -> Any:

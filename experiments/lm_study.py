@@ -68,6 +68,15 @@ from bottleneck.train import (  # noqa: E402
     print_table,
     to_jsonable,
 )
+from bottleneck.train.experiment import UsageError, validate_config  # noqa: E402
+from bottleneck.train.lm_config import (  # noqa: E402
+    DataConfig,
+    EvaluationConfig,
+    HeadConfig,
+    OptimizerConfig,
+    TrainingConfig,
+)
+from bottleneck.train.run_loop import TrainingDiverged  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -145,7 +154,7 @@ class Config:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         # Everything else is checked by the language model's own Config, for every cell, now.
         for head in self.heads:
-            cell_config(self, head, self.ds[0], self.seeds[0]).validate()
+            validate_config(cell_config(self, head, self.ds[0], self.seeds[0]))
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -199,35 +208,37 @@ def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.
     root = Path(config.out_dir)
     ranked = head in config.heads and d == config.rank_d and seed == config.seeds[0]
     return language_model.Config(
-        corpus=config.corpus,
-        data_dir=config.data_dir,
-        tfds_dir=str(root / "tfds"),
-        vocab_size=config.vocab_size,
-        train_tokens=config.train_tokens,
-        eval_tokens=config.eval_tokens,
-        head=head,
-        emsize=d,
-        nhid=config.nhid,
-        nlayers=config.nlayers,
-        num_components=config.num_components,
-        num_knots=config.num_knots,
-        dropout=config.dropout,
-        dropouth=config.dropouth,
-        dropouti=config.dropouti,
-        dropoute=config.dropoute,
-        wdrop=config.wdrop,
-        optimizer=config.optimizer,
-        lr=config.lr,
-        plif_lr=config.plif_lr,
-        batch_size=config.batch_size,
-        eval_batch_size=config.batch_size,
-        test_batch_size=config.batch_size,
-        bptt=config.bptt,
-        epochs=config.epochs,
-        nonmono=config.nonmono,
-        patience=config.patience,
+        data=DataConfig(
+            corpus=config.corpus,
+            data_dir=config.data_dir,
+            tfds_dir=str(root / "tfds"),
+            vocab_size=config.vocab_size,
+            train_tokens=config.train_tokens,
+            eval_tokens=config.eval_tokens,
+            batch_size=config.batch_size,
+            eval_batch_size=config.batch_size,
+            bptt=config.bptt,
+        ),
+        awd_lstm=language_model.AWDLSTMConfig(
+            emsize=d,
+            nhid=config.nhid,
+            nlayers=config.nlayers,
+            dropout=config.dropout,
+            dropouth=config.dropouth,
+            dropouti=config.dropouti,
+            dropoute=config.dropoute,
+            wdrop=config.wdrop,
+        ),
+        head=HeadConfig(head, num_components=config.num_components, num_knots=config.num_knots),
+        optimizer=OptimizerConfig(
+            config.optimizer, lr=config.lr, plif_lr=config.plif_lr, nonmono=config.nonmono
+        ),
+        training=TrainingConfig(epochs=config.epochs, patience=config.patience),
+        evaluation=EvaluationConfig(
+            test_batch_size=config.batch_size,
+            max_logprob_tokens=config.rank_tokens if ranked else 0,
+        ),
         seed=seed,
-        max_logprob_tokens=config.rank_tokens if ranked else 0,
         out_dir=str(root / "cells" / cell_name(head, d, seed)),
     )
 
@@ -249,7 +260,7 @@ def run_cell(cell: language_model.Config) -> dict[str, Any]:
         return {"status": "done", **results}
     try:
         results = language_model.run_experiment(cell)
-    except (language_model.UsageError, language_model.TrainingDiverged) as err:
+    except (UsageError, TrainingDiverged) as err:
         print(f"cell {Path(cell.out_dir).name} failed: {err}", file=sys.stderr)
         return {"status": "failed", "error": str(err)}
     return {"status": "done", **results}

@@ -622,3 +622,38 @@ class AWDLSTM(nnx.Module):
         if jnp.ndim(tokens) != 1:
             raise ValueError(f"tokens must have shape [B], got {jnp.shape(tokens)}")
         return self.prefill(state, tokens[:, None])
+
+
+class AWDLSTMLanguageModel(nnx.Module):
+    """An :class:`AWDLSTM` behind the training loop's model interface
+    (:class:`bottleneck.train.lm.LanguageModel`): batch-major windows ``[B, T]``, the LSTM states
+    as the carry between windows, AR / TAR in the training objective.
+
+    Args:
+      model: the AWD-LSTM (its parameters are this module's).
+      alpha, beta: AR and TAR scales of the training objective (2 and 1 in Merity et al.).
+    """
+
+    def __init__(self, model: AWDLSTM, *, alpha: float = 0.0, beta: float = 0.0):
+        self.model, self.alpha, self.beta = model, alpha, beta
+
+    def initial_carry(self, batch_size: int) -> Carry:
+        return self.model.initial_carry(batch_size)
+
+    def objective(
+        self, tokens: jax.Array, targets: jax.Array, carry: Carry, *, key: jax.Array, length: Any
+    ) -> tuple[jax.Array, ObjectiveAux]:
+        return self.model.objective(
+            tokens.T, targets.T, carry, key=key, length=length, alpha=self.alpha, beta=self.beta
+        )
+
+    def nll(
+        self, tokens: jax.Array, targets: jax.Array, carry: Carry, *, length: Any
+    ) -> tuple[jax.Array, Carry]:
+        out = self.model.rnn(tokens.T, carry, length=length)
+        where = jnp.broadcast_to(time_mask(tokens.shape[1], length)[:, None], targets.T.shape)
+        return self.model.nll(out.output, targets.T, where), out.carry
+
+    def log_probs(self, tokens: jax.Array, carry: Carry, *, length: Any) -> tuple[jax.Array, Carry]:
+        log_probs, carry = self.model(tokens.T, carry, length=length)
+        return jnp.swapaxes(log_probs, 0, 1), carry

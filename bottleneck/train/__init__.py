@@ -3,12 +3,16 @@
 from bottleneck.train.experiment import (
     RunDir,
     RunFolderError,
+    UsageError,
+    check_resumable,
     check_run_folder,
     open_run,
     parse_config,
     print_table,
     progress,
+    replace_fields,
     to_jsonable,
+    validate_config,
 )
 from bottleneck.train.steps import Trainer, make_optimizer
 
@@ -16,11 +20,15 @@ __all__ = [
     "RunDir",
     "RunFolderError",
     "Trainer",
+    "UsageError",
+    "check_resumable",
     "check_run_folder",
     "make_optimizer",
     "open_run",
     "parse_config",
     "print_table",
     "progress",
+    "replace_fields",
     "to_jsonable",
+    "validate_config",
 ]

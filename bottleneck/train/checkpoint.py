@@ -27,6 +27,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from bottleneck.train.experiment import RunFolderError
+
 META_ITEM = "meta"
 
 
@@ -183,7 +185,7 @@ class StopSignals:
         self._previous.clear()
 
 
-class RunFolderBusy(RuntimeError):
+class RunFolderBusy(RunFolderError):
     """Another live process holds the run folder (see :class:`RunLock`)."""
 
 

@@ -1,8 +1,9 @@
 """The thin layer every experiment script shares: config CLI, run folder, tables, progress bars.
 
 An experiment is a flat script with a config dataclass and a few named presets (big_vision
-style). :func:`parse_config` turns the dataclass into a command line, :func:`open_run` records the
-config and writes results into one output folder, :func:`print_table` prints the summary.
+style). :func:`parse_config` turns the dataclass into a command line (a field holding another
+dataclass is a group of flags, ``--optimizer.lr``), :func:`open_run` records the config and writes
+results into one output folder, :func:`print_table` prints the summary.
 
 Example script::
 
@@ -35,7 +36,7 @@ import shlex
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,6 +54,10 @@ DEFAULT_PRESET = "default"
 # Config from the command line
 
 
+class UsageError(ValueError):
+    """The command line, or a file or folder it names, cannot be used (scripts exit with 2)."""
+
+
 def parse_config(
     config_cls: type[ConfigT],
     presets: Mapping[str, ConfigT | Mapping[str, Any]],
@@ -64,18 +69,23 @@ def parse_config(
 
     The flags are derived from the field types: ``int``, ``float``, ``str``, ``bool``
     (``--flag`` / ``--no-flag``), ``tuple[X, ...]`` / ``list[X]`` of those scalars as
-    comma-separated values (``--experts 2,4,8``), and ``X | None`` (the value ``none``). Flags
-    given on the command line override the preset; the preset overrides the dataclass defaults.
-    A preset is a config instance or a mapping of field overrides; ``"default"`` (the dataclass
-    defaults unless ``presets`` redefines it) is always available and used when ``--preset`` is
-    not given.
+    comma-separated values (``--experts 2,4,8``), and ``X | None`` (the value ``none``). A field
+    whose type is itself a dataclass is a group of flags: ``--optimizer.lr 20`` sets field
+    ``lr`` of field ``optimizer``; ``--help`` lists each group under its name and docstring. A
+    nested field whose name (or ``metadata["flag"]``) no other field uses also answers to that
+    short name (``--lr 20``). Flags given on the command line override the preset; the preset
+    overrides the dataclass defaults. A preset is a config instance or a mapping of overrides
+    by dotted name (``{"optimizer.lr": 20.0}``); ``"default"`` (the dataclass defaults unless
+    ``presets`` redefines it) is always available and used when ``--preset`` is not given.
+    ``--help`` ends with what each preset sets, as flags.
 
-    If the config has a ``validate()`` method it is called on the result; a ``ValueError`` from
-    it (or from the dataclass constructor) becomes an argparse error: the usage and the message go
+    The result's floats must be finite, and every ``validate()`` method of the config and of its
+    groups (innermost first, :func:`validate_config`) is called; a ``ValueError`` from those (or
+    from the dataclass constructor) becomes an argparse error: the usage and the message go
     to stderr and the process exits with status 2, as for a malformed flag value.
 
     Args:
-      config_cls: a dataclass type.
+      config_cls: a dataclass type whose fields all have defaults.
       presets: named presets.
       argv: the arguments without the program name; ``None`` for ``sys.argv[1:]``.
       description: shown by ``--help`` (defaults to the config's docstring).
@@ -96,31 +106,39 @@ def parse_config(
         raise TypeError(f"config_cls must be a dataclass type, got {config_cls!r}")
     # "default" is the dataclass defaults (no overrides) unless the script defines it.
     presets = {DEFAULT_PRESET: {}, **presets}
-    fields = [f for f in dataclasses.fields(config_cls) if f.init]
-    field_types = typing.get_type_hints(config_cls)
+    flags = _flags(config_cls)
+    defaults = config_cls()
+    # Every preset is built now: a preset naming no field fails here, whichever is chosen.
+    preset_configs = {name: _preset_config(config_cls, p, name) for name, p in presets.items()}
 
     parser = argparse.ArgumentParser(
+        usage="%(prog)s [-h] [--preset NAME] [--FLAG VALUE ...]",
         description=description or config_cls.__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=_presets_help(flags, defaults, preset_configs),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--preset",
         default=DEFAULT_PRESET,
         choices=sorted(presets),
-        help="named starting point; the flags below override it",
+        help="named starting point (what each sets: below); the flags override it",
     )
-    for field in fields:
-        _add_field_flag(parser, field, field_types[field.name])
+    groups: dict[str, Any] = {}
+    for flag in flags:
+        container = parser
+        if flag.group:
+            if flag.group not in groups:
+                groups[flag.group] = parser.add_argument_group(
+                    flag.group, _docstring_summary(type(_get(defaults, flag.group)))
+                )
+            container = groups[flag.group]
+        _add_flag(container, flag, _get(defaults, flag.dest))
     args = parser.parse_args(argv)
 
-    overrides = {f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)}
+    overrides = {flag.dest: getattr(args, flag.dest) for flag in flags if hasattr(args, flag.dest)}
     try:
-        preset = _preset_config(config_cls, presets[args.preset], args.preset)
-        config = dataclasses.replace(preset, **overrides)
-        check_finite_floats(config)
-        validate = getattr(config, "validate", None)
-        if callable(validate):
-            validate()
+        config = replace_fields(preset_configs[args.preset], overrides)
+        validate_config(config)
         if isinstance(getattr(config, "out_dir", None), str):
             check_run_folder(config.out_dir, config)
     except ValueError as err:
@@ -129,17 +147,68 @@ def parse_config(
     return config
 
 
-def check_finite_floats(config: Any) -> None:
+def replace_fields(config: ConfigT, changes: Mapping[str, Any]) -> ConfigT:
+    """``config`` with the fields named by dotted paths replaced.
+
+    Example:
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Optimizer:
+      ...     lr: float = 1.0
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Config:
+      ...     optimizer: Optimizer = Optimizer()
+      ...     seed: int = 0
+      >>> replace_fields(Config(), {"optimizer.lr": 0.5, "seed": 3})
+      Config(optimizer=Optimizer(lr=0.5), seed=3)
+    """
+    direct: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in changes.items():
+        name, _, rest = path.partition(".")
+        if rest:
+            nested.setdefault(name, {})[rest] = value
+        else:
+            direct[name] = value
+    names = {field.name for field in dataclasses.fields(config)}
+    unknown = sorted((direct.keys() | nested.keys()) - names)
+    if unknown:
+        raise TypeError(f"{type(config).__name__} has no field(s) {unknown}")
+    for name, sub in nested.items():
+        direct[name] = replace_fields(getattr(config, name), sub)
+    return dataclasses.replace(config, **direct)
+
+
+def validate_config(config: Any) -> None:
+    """``ValueError`` unless every float is finite and every part's ``validate()`` passes.
+
+    Parts (fields holding a dataclass) are checked before the config that holds them, so a
+    config's own ``validate()`` may rely on its parts being valid and check only how they fit.
+    """
+    check_finite_floats(config)
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            validate_config(value)
+    validate = getattr(config, "validate", None)
+    if callable(validate):
+        validate()
+
+
+def check_finite_floats(config: Any, prefix: str = "") -> None:
     """``ValueError`` naming the first float field (or item of a float tuple) that is NaN or inf.
 
-    A NaN learning rate would otherwise train to NaN and report plausible-looking tables.
+    A NaN learning rate would otherwise train to NaN and report plausible-looking tables. Parts
+    are searched too and named by their dotted path (``optimizer.lr``).
     """
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            check_finite_floats(value, f"{prefix}{field.name}.")
+            continue
         values = value if isinstance(value, (tuple, list)) else (value,)
         for item in values:
             if isinstance(item, float) and not math.isfinite(item):
-                raise ValueError(f"{field.name} must be finite, got {value}")
+                raise ValueError(f"{prefix}{field.name} must be finite, got {value}")
 
 
 def _preset_config(
@@ -154,37 +223,129 @@ def _preset_config(
         return preset
     if not isinstance(preset, Mapping):
         raise TypeError(f"a preset must be a {config_cls.__name__} or a mapping, got {preset!r}")
-    config = config_cls(**preset)
+    config = replace_fields(config_cls(), preset)
     default_out_dir = getattr(config_cls, "out_dir", None)
     if name != DEFAULT_PRESET and "out_dir" not in preset and isinstance(default_out_dir, str):
         config = dataclasses.replace(config, out_dir=f"{default_out_dir}_{name.replace('-', '_')}")
     return config
 
 
-def _add_field_flag(parser: argparse.ArgumentParser, field: dataclasses.Field, tp: Any) -> None:
-    """Add ``--<field name>`` (underscores kept) for one dataclass field, typed from ``tp``."""
-    names = [f"--{field.name}"]
-    help_text = field.metadata.get("help", "")
-    if field.default is not dataclasses.MISSING:
-        help_text = f"{help_text} (dataclass default: {_format_default(field.default)})".strip()
+@dataclasses.dataclass(frozen=True)
+class _Flag:
+    """One leaf field as a flag: ``--<dest>`` and, when unique, ``--<short>``."""
+
+    dest: str  # dotted path from the config, e.g. "optimizer.lr"
+    group: str  # dotted path of the part holding it; "" at the top level
+    field: dataclasses.Field
+    type: Any
+    short: str | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """The option strings, the short one first (the one people type)."""
+        return [f"--{name}" for name in dict.fromkeys(filter(None, (self.short, self.dest)))]
+
+
+def _flags(config_cls: type) -> list[_Flag]:
+    """Every leaf field of ``config_cls`` and its parts, depth first, with its short name."""
+
+    def leaves(cls: type, prefix: str) -> list[_Flag]:
+        out = []
+        types_ = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if not field.init:
+                continue
+            tp = types_[field.name]
+            if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+                out += leaves(tp, f"{prefix}{field.name}.")
+            else:
+                out.append(_Flag(prefix + field.name, prefix[:-1], field, tp))
+        return out
+
+    flags = leaves(config_cls, "")
+    wanted = [flag.field.metadata.get("flag", flag.field.name) for flag in flags]
+    dests = {flag.dest for flag in flags}
+    return [
+        dataclasses.replace(flag, short=short)
+        if wanted.count(short) == 1 and (short == flag.dest or short not in dests)
+        else flag
+        for flag, short in zip(flags, wanted, strict=True)
+    ]
+
+
+def _get(config: Any, path: str) -> Any:
+    for name in filter(None, path.split(".")):
+        config = getattr(config, name)
+    return config
+
+
+def _docstring_summary(cls: type) -> str | None:
+    """The first paragraph of a part's docstring (not the signature dataclasses writes)."""
+    doc = inspect.getdoc(cls)
+    if not doc or doc.startswith(f"{cls.__name__}("):
+        return None
+    return doc.split("\n\n")[0].replace("\n", " ")
+
+
+def _add_flag(parser: Any, flag: _Flag, default: Any) -> None:
+    """Add the flag's option strings to ``parser`` (a parser or an argument group)."""
+    help_text = f"{flag.field.metadata.get('help', '')} (default: {_format_value(default)})"
     # SUPPRESS: a flag that is not given leaves no attribute, so the preset's value stays.
-    if tp is bool:
+    if flag.type is bool:
         parser.add_argument(
-            *names,
-            dest=field.name,
+            *flag.names,
+            dest=flag.dest,
             action=argparse.BooleanOptionalAction,
             default=argparse.SUPPRESS,
-            help=help_text,
+            help=help_text.strip(),
         )
         return
     parser.add_argument(
-        *names,
-        dest=field.name,
-        type=_value_parser(tp, field.name),
+        *flag.names,
+        dest=flag.dest,
+        type=_value_parser(flag.type, flag.dest),
         default=argparse.SUPPRESS,
-        metavar=_metavar(tp),
-        help=help_text,
+        metavar=_metavar(flag.type),
+        help=help_text.strip(),
     )
+
+
+def _presets_help(flags: list[_Flag], defaults: Any, presets: Mapping[str, Any]) -> str:
+    """``--help``'s last section: each preset as the flags that turn the defaults into it."""
+    lines = ["presets (--preset NAME) and the flags they set:"]
+    width = max(len(name) for name in presets)
+    for name, preset in presets.items():
+        changed = [
+            _as_flag(flag, _get(preset, flag.dest))
+            for flag in flags
+            if _get(preset, flag.dest) != _get(defaults, flag.dest)
+        ]
+        line = f"  {name.ljust(width)} "
+        for item in changed or ["(the defaults)"]:  # a flag and its value stay on one line
+            if len(line) + 1 + len(item) > 100 and line.strip() != name:
+                lines.append(line)
+                line = " " * (width + 3)
+            line += f" {item}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _as_flag(flag: _Flag, value: Any) -> str:
+    """The command-line spelling that sets ``flag`` to ``value``."""
+    option = flag.names[0]
+    if isinstance(value, bool):
+        return option if value else f"--no-{option[2:]}"
+    return f"{option} {shlex.quote(_format_value(value))}"
+
+
+def _format_value(value: Any) -> str:
+    if value is None:
+        return "none"
+    if value == "":
+        return "''"
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)
 
 
 def _value_parser(tp: Any, name: str) -> Callable[[str], Any]:
@@ -208,12 +369,6 @@ def _value_parser(tp: Any, name: str) -> Callable[[str], Any]:
                 raise TypeError(f"field {name!r}: unsupported item type {item!r} in {tp!r}")
         return _sequence_parser(origin, item_types, length)
     raise TypeError(f"field {name!r}: unsupported type {tp!r} for a command-line flag")
-
-
-def _format_default(value: Any) -> str:
-    if isinstance(value, (tuple, list)):
-        return ",".join(str(v) for v in value)
-    return str(value)
 
 
 def _scalar_parser(tp: type) -> Callable[[str], Any]:
@@ -334,8 +489,10 @@ class RunDir:
         return path
 
 
-class RunFolderError(ValueError):
-    """An output folder that cannot be used: a file, unwritable, or another experiment's run."""
+class RunFolderError(UsageError):
+    """An output folder that cannot be used: a file, unwritable, another experiment's run, a
+    checkpointed run with another config, or (:class:`~bottleneck.train.checkpoint.RunFolderBusy`)
+    a folder in use."""
 
 
 def experiment_name(config: Any) -> str:
@@ -369,6 +526,44 @@ def check_run_folder(out_dir: str | Path, config: Any) -> Path:
                 f"of {experiment_name(config)}; choose another --out_dir"
             )
     return root
+
+
+def check_resumable(root: str | Path, config: Any, may_change: Collection[str] = ()) -> None:
+    """:class:`RunFolderError` if ``root`` holds a run made with another ``config``.
+
+    Compares ``config`` with the one recorded in ``root/config.json`` (if any) field by field,
+    parts by their dotted names; a field named in ``may_change``, or inside a part named there,
+    may differ (say, the epoch budget or the final evaluation's options).
+    """
+    path = Path(root) / "config.json"
+    if not path.is_file():
+        return
+    saved = _dotted(json.loads(path.read_text()).get("config", {}))
+    changed = [
+        f"{name}: {saved.get(name)!r} -> {value!r}"
+        for name, value in _dotted(to_jsonable(config)).items()
+        if not _free(name, may_change) and saved.get(name) != value
+    ]
+    if changed:
+        raise RunFolderError(
+            f"{root} holds a checkpointed run with a different config ({'; '.join(changed)}); "
+            "rerun with the same flags to resume it, or choose another --out_dir"
+        )
+
+
+def _free(name: str, may_change: Collection[str]) -> bool:
+    return any(name == free or name.startswith(f"{free}.") for free in may_change)
+
+
+def _dotted(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as one level keyed by dotted paths (``{"optimizer.lr": 20.0}``)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat |= _dotted(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
 
 
 def open_run(out_dir: str | Path, config: Any, *, resume: bool = False) -> RunDir:

@@ -1,20 +1,23 @@
-"""Word-level language-model training and evaluation steps (AWD-LSTM recipe), jitted once.
+"""Word-level language-model training and evaluation steps, jitted once, for any model.
 
 :class:`LanguageModelTrainer` holds the model's graph definition and a :class:`LMTrainState`
 pytree (parameters, optimizer state, the NT-ASGD average, counters) and runs:
 
-* :meth:`~LanguageModelTrainer.train_step`: one truncated-BPTT step on a window: loss
-  ``NLL + AR + TAR`` with dropout keyed by the seed and the step (so a resumed run draws
-  the same masks), the optax update scaled by ``seq_len / bptt`` (AWD-LSTM's per-batch learning
-  rate), and, once NT-ASGD has switched, the running average of the iterates;
+* :meth:`~LanguageModelTrainer.train_step`: one step on a window: the model's training
+  objective with dropout keyed by the seed and the step (so a resumed run draws the same
+  masks), the optax update scaled by the window's ``lr_scale`` (AWD-LSTM's per-batch learning
+  rate ``seq_len / bptt``), and, once NT-ASGD has switched, the running average of the iterates;
 * :meth:`~LanguageModelTrainer.evaluate`: deterministic mean NLL over a batchified stream with
   the state carried across windows; optionally writing the full log-probabilities
   (:class:`LogProbBlockWriter`);
 * :meth:`~LanguageModelTrainer.dynamic_evaluate`: dynamic evaluation
   (:mod:`bottleneck.train.dynamic_eval`).
 
-AWD-LSTM's windows vary in length; each is padded up to a multiple of ``bucket`` steps and given
-its true length (:func:`pad_window`), so only a handful of shapes are ever compiled.
+The model (:class:`LanguageModel`) sees batch-major windows ``[B, T]`` and a ``carry`` passed
+from each window to the next (truncated BPTT); a model without state returns ``None`` from
+``initial_carry``. Windows vary in length (AWD-LSTM's sampling); each is padded up to a multiple
+of ``bucket`` steps and given its true length (:func:`pad_window`), so only a handful of shapes
+are ever compiled.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -32,19 +35,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from bottleneck.data.batching import BpttWindow, fixed_windows
-from bottleneck.nn.awd_lstm import AWDLSTM, Carry, time_mask
 from bottleneck.sharding import DATA, axis_size, replicate, shard_batch
 from bottleneck.train import dynamic_eval
 from bottleneck.train.nt_asgd import update_average
 
 
 class Window(NamedTuple):
-    """A window padded to a compiled length.
+    """A window padded to a compiled length, batch-major.
 
     Attributes:
-      inputs: ``[L, B]`` int32 token ids (rows ``>= length`` are padding).
-      targets: ``[L, B]`` int32 next-token ids.
-      length: int32 scalar, the real number of rows.
+      inputs: ``[B, L]`` int32 token ids (columns ``>= length`` are padding).
+      targets: ``[B, L]`` int32 next-token ids.
+      length: int32 scalar, the real number of time steps.
     """
 
     inputs: jax.Array
@@ -60,13 +62,14 @@ def padded_length(seq_len: int, bucket: int) -> int:
 
 
 def pad_window(window: BpttWindow, length: int) -> Window:
-    """Pads a :class:`~bottleneck.data.BpttWindow` with zero rows to ``length`` rows."""
+    """A :class:`~bottleneck.data.BpttWindow` ``[seq_len, B]`` as a batch-major :class:`Window`
+    ``[B, length]``, zero-padded after its ``seq_len`` steps."""
     if length < window.seq_len:
         raise ValueError(f"length must be >= the window's seq_len {window.seq_len}, got {length}")
-    padding = ((0, length - window.seq_len), (0, 0))
+    padding = ((0, 0), (0, length - window.seq_len))
     return Window(
-        inputs=np.pad(np.asarray(window.inputs, np.int32), padding),
-        targets=np.pad(np.asarray(window.targets, np.int32), padding),
+        inputs=np.pad(np.asarray(window.inputs, np.int32).T, padding),
+        targets=np.pad(np.asarray(window.targets, np.int32).T, padding),
         length=np.int32(window.seq_len),
     )
 
@@ -102,12 +105,47 @@ class LMTrainState(NamedTuple):
 
 
 class StepMetrics(NamedTuple):
-    """Scalars of one training step (before its update)."""
+    """Scalars of one training step (before its update): the objective and its NLL part."""
 
     loss: jax.Array
     nll: jax.Array
-    ar: jax.Array
-    tar: jax.Array
+
+
+class LanguageModel(Protocol):
+    """What :class:`LanguageModelTrainer` (and so the run loop) needs from a model.
+
+    An ``nnx.Module`` holding only ``nnx.Param`` state. Every method takes batch-major token ids
+    ``[B, T]`` of a window padded after its first ``length`` steps (``length``: int32 scalar;
+    positions from ``length`` on must not count, nor change the carry), and the ``carry`` from the
+    previous window of the same stream (from :meth:`initial_carry` for the first).
+    :class:`bottleneck.nn.awd_lstm.AWDLSTMLanguageModel` is the AWD-LSTM's.
+    """
+
+    def initial_carry(self, batch_size: int) -> Any:
+        """The state before a stream's first window: a pytree with batch-leading arrays, or
+        ``None`` for a model that carries nothing between windows (a Transformer)."""
+
+    def objective(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        carry: Any,
+        *,
+        key: jax.Array,
+        length: jax.Array,
+    ) -> tuple[jax.Array, Any]:
+        """Training loss of one window with dropout drawn from ``key`` (regularisers included),
+        and an aux value with ``.nll`` (the mean NLL part) and ``.carry`` (for the next window)."""
+
+    def nll(
+        self, tokens: jax.Array, targets: jax.Array, carry: Any, *, length: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        """Deterministic mean NLL of the real positions (evaluation) and the next carry."""
+
+    def log_probs(
+        self, tokens: jax.Array, carry: Any, *, length: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        """Deterministic next-token log-probabilities ``[B, T, M]`` and the next carry."""
 
 
 class LogProbBlockWriter:
@@ -171,27 +209,25 @@ class LogProbBlockWriter:
 
 
 class LanguageModelTrainer:
-    """Jitted training / evaluation of an :class:`~bottleneck.nn.awd_lstm.AWDLSTM`.
+    """Jitted training / evaluation of any :class:`LanguageModel`.
 
     Args:
       model: the model; only its ``nnx.Param`` state is trained (it must hold no other state).
       tx: optax transformation (e.g. :func:`bottleneck.train.make_optimizer` with SGD, clipping
-        and weight decay). Its updates are scaled by ``lr_scale`` each step.
-      alpha, beta: AR and TAR scales.
+        and weight decay, or AdamW with a warmup-cosine schedule). Its updates are scaled by
+        ``lr_scale`` each step.
       seed: dropout keys are ``fold_in(split(key(seed))[1], step)``.
       mesh: the ``("data", "vocab")`` mesh the model was built for and placed on
-        (:func:`bottleneck.sharding.shard_model`): windows and recurrent states are sharded on
-        ``data`` along their batch axis (replicated when the batch does not divide, e.g. a
-        test batch of 1), and every step keeps the state's shardings.
+        (:func:`bottleneck.sharding.shard_model`): windows and carries are sharded on ``data``
+        along their batch axis (replicated when the batch does not divide, e.g. a test batch
+        of 1), and every step keeps the state's shardings.
     """
 
     def __init__(
         self,
-        model: AWDLSTM,
+        model: LanguageModel,
         tx: optax.GradientTransformation,
         *,
-        alpha: float = 0.0,
-        beta: float = 0.0,
         seed: int = 0,
         mesh: Mesh | None = None,
     ):
@@ -222,23 +258,17 @@ class LanguageModelTrainer:
 
         def train_step(
             state: LMTrainState,
-            carry: Carry,
+            carry: Any,
             window: Window,
             lr_scale: jax.Array,
             averaging: jax.Array,
-        ) -> tuple[LMTrainState, Carry, StepMetrics]:
+        ) -> tuple[LMTrainState, Any, StepMetrics]:
             key = jax.random.fold_in(base_key, state.step)
 
             def loss_fn(params: Any) -> tuple[jax.Array, Any]:
                 model = nnx.merge(graphdef, params)
                 return model.objective(
-                    window.inputs,
-                    window.targets,
-                    carry,
-                    key=key,
-                    length=window.length,
-                    alpha=alpha,
-                    beta=beta,
+                    window.inputs, window.targets, carry, key=key, length=window.length
                 )
 
             (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -256,20 +286,18 @@ class LanguageModelTrainer:
             new_state = LMTrainState(params, opt_state, average, num_averaged, state.step + 1)
             if state_shardings is not None:  # same layout every step: no drift, no recompiles
                 new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
-            return new_state, aux.carry, StepMetrics(loss, aux.nll, aux.ar, aux.tar)
+            return new_state, aux.carry, StepMetrics(loss, aux.nll)
 
-        def eval_step(params: Any, carry: Carry, window: Window) -> tuple[jax.Array, Carry]:
+        def eval_step(params: Any, carry: Any, window: Window) -> tuple[jax.Array, Any]:
             model = nnx.merge(graphdef, params)
-            out = model.rnn(window.inputs, carry, length=window.length)
-            where = _real_positions(window)
-            nll = model.nll(out.output, window.targets, where)
-            return nll * jnp.sum(where).astype(nll.dtype), out.carry
+            nll, carry = model.nll(window.inputs, window.targets, carry, length=window.length)
+            return nll * _num_real(window).astype(nll.dtype), carry
 
         def log_probs_step(
-            params: Any, carry: Carry, window: Window
-        ) -> tuple[jax.Array, jax.Array, Carry]:
+            params: Any, carry: Any, window: Window
+        ) -> tuple[jax.Array, jax.Array, Any]:
             model = nnx.merge(graphdef, params)
-            log_probs, carry = model(window.inputs, carry, length=window.length)
+            log_probs, carry = model.log_probs(window.inputs, carry, length=window.length)
             picked = jnp.take_along_axis(log_probs, window.targets[..., None], axis=-1)[..., 0]
             nll_sum = -jnp.sum(jnp.where(_real_positions(window), picked, 0.0))
             return log_probs, nll_sum, carry
@@ -280,35 +308,32 @@ class LanguageModelTrainer:
         self._log_probs_step = jax.jit(log_probs_step)
 
     @property
-    def model(self) -> AWDLSTM:
+    def model(self) -> LanguageModel:
         """The model with the current parameters (a fresh NNX object)."""
         return nnx.merge(self.graphdef, self.state.params)
 
-    def initial_carry(self, batch_size: int) -> Carry:
-        return self._place(self.model.initial_carry(batch_size), batch_axis=0)
+    def initial_carry(self, batch_size: int) -> Any:
+        return self._place(self.model.initial_carry(batch_size))
 
-    def _place(self, tree: Any, batch_axis: int) -> Any:
-        """On a mesh: arrays sharded on ``data`` along ``batch_axis`` if it divides, else replicated."""
+    def _place(self, tree: Any) -> Any:
+        """On a mesh: arrays sharded on ``data`` along axis 0 (the batch) if it divides, else
+        replicated."""
         if self.mesh is None:
             return tree
 
         def place(x: Any) -> Any:
-            if (
-                np.ndim(x) > batch_axis
-                and np.shape(x)[batch_axis] % axis_size(self.mesh, DATA) == 0
-            ):
-                return shard_batch(x, self.mesh, axis=batch_axis)
+            if np.ndim(x) > 0 and np.shape(x)[0] % axis_size(self.mesh, DATA) == 0:
+                return shard_batch(x, self.mesh, axis=0)
             return replicate(x, self.mesh)
 
         return jax.tree.map(place, tree)
 
     def _place_windows(self, windows: Iterable[Window]) -> Iterator[Window]:
-        """Windows ``[L, B]`` placed as :meth:`_place` says, batch axis 1."""
-        return (self._place(window, batch_axis=1) for window in windows)
+        return (self._place(window) for window in windows)
 
     def train_step(
-        self, carry: Carry, window: Window, lr_scale: float, *, averaging: bool
-    ) -> tuple[Carry, StepMetrics]:
+        self, carry: Any, window: Window, lr_scale: float, *, averaging: bool
+    ) -> tuple[Any, StepMetrics]:
         """One optimizer step on ``window``; returns the next window's carry and the metrics.
 
         Args:
@@ -320,7 +345,7 @@ class LanguageModelTrainer:
         self.state, carry, metrics = self._train_step(
             self.state,
             carry,
-            self._place(window, batch_axis=1),
+            self._place(window),
             jnp.float32(lr_scale),
             jnp.bool_(averaging),
         )
@@ -342,7 +367,8 @@ class LanguageModelTrainer:
           batched: from :func:`bottleneck.data.batchify`.
           seq_len: window length (AWD-LSTM evaluates with ``bptt``).
           writer: if given, the full log-probabilities of the rows go there (row order: window,
-            then time step, then sequence in the batch) until it is full.
+            then time step, then sequence in the batch, whatever the model's layout) until it
+            is full.
           on_window: called after each window (progress bars, interruption checks).
         """
         carry = self.initial_carry(batched.shape[1])
@@ -352,8 +378,10 @@ class LanguageModelTrainer:
                 log_probs, nll_sum, carry = self._log_probs_step(params, carry, window)
                 rows = int(window.length) * batched.shape[1]
                 writer.add(
-                    np.asarray(log_probs).reshape(-1, log_probs.shape[-1])[:rows],
-                    np.asarray(window.targets).reshape(-1)[:rows],
+                    np.swapaxes(np.asarray(log_probs), 0, 1).reshape(-1, log_probs.shape[-1])[
+                        :rows
+                    ],
+                    np.asarray(window.targets).T.reshape(-1)[:rows],
                 )
             else:
                 nll_sum, carry = self._eval_step(params, carry, window)
@@ -416,23 +444,24 @@ class LanguageModelTrainer:
 
 
 def _real_positions(window: Window) -> jax.Array:
-    """``[L, B]`` booleans: the window's real (unpadded) positions."""
-    return jnp.broadcast_to(
-        time_mask(window.inputs.shape[0], window.length)[:, None], window.inputs.shape
-    )
+    """``[B, L]`` booleans: the window's real (unpadded) positions."""
+    steps = jnp.arange(window.inputs.shape[1], dtype=jnp.int32)
+    return jnp.broadcast_to(steps < window.length, window.inputs.shape)
+
+
+def _num_real(window: Window) -> jax.Array:
+    return window.length * window.inputs.shape[0]
 
 
 def _segment_grad(
-    graphdef: nnx.GraphDef, params: Any, carry: Carry, window: Window
-) -> tuple[tuple[jax.Array, jax.Array, Carry], Any]:
+    graphdef: nnx.GraphDef, params: Any, carry: Any, window: Window
+) -> tuple[tuple[jax.Array, jax.Array, Any], Any]:
     """Deterministic NLL sum, token count, next carry, and the gradient of the mean NLL."""
 
-    def mean_nll(params: Any) -> tuple[jax.Array, tuple[jax.Array, Carry]]:
+    def mean_nll(params: Any) -> tuple[jax.Array, Any]:
         model = nnx.merge(graphdef, params)
-        out = model.rnn(window.inputs, carry, length=window.length)
-        where = _real_positions(window)
-        nll = model.nll(out.output, window.targets, where)
-        return nll, (jnp.sum(where), out.carry)
+        return model.nll(window.inputs, window.targets, carry, length=window.length)
 
-    (nll, (count, carry)), grads = jax.value_and_grad(mean_nll, has_aux=True)(params)
+    (nll, carry), grads = jax.value_and_grad(mean_nll, has_aux=True)(params)
+    count = _num_real(window)
     return (nll * count.astype(nll.dtype), count, carry), grads

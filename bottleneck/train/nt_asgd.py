@@ -6,13 +6,16 @@ average of the iterates from the switch on and evaluate (and checkpoint) the ave
 finetune stage of AWD-LSTM restarts averaging from the best model and stops on the same trigger.
 
 Both pieces are pure; the training loop owns the validation history and the switch flag.
+:class:`NtAsgd` is the epoch-level rule as one :class:`EpochPolicy` of the run loop
+(:mod:`bottleneck.train.run_loop`); :class:`KeepBest` is the one for optimizers that never average.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -130,3 +133,46 @@ def end_of_epoch(
     history = (*status.val_history, val_loss)
     new = NtAsgdStatus(history, best, switched, False)
     return EpochOutcome(new, improved, switched)
+
+
+class EpochPolicy(Protocol):
+    """An optimizer's decisions after each epoch's validation, as the run loop asks for them.
+
+    Given the status and the validation loss of the evaluated parameters, returns the new
+    status (best loss, history; ``averaging``: fold every later iterate into the average and
+    evaluate that; ``finished``: stop training) and whether the parameters are the new best.
+    """
+
+    def end_of_epoch(self, status: NtAsgdStatus, val_loss: float) -> EpochOutcome: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class NtAsgd:
+    """NT-ASGD as an :class:`EpochPolicy` (:func:`end_of_epoch`): SGD until the trigger, then
+    averaged SGD; with ``finetune``, the finetune stage's stopping rule (the run averages from
+    its first step)."""
+
+    nonmono: int = 5
+    finetune: bool = False
+
+    def end_of_epoch(self, status: NtAsgdStatus, val_loss: float) -> EpochOutcome:
+        return end_of_epoch(status, val_loss, nonmono=self.nonmono, finetune=self.finetune)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBest:
+    """The :class:`EpochPolicy` of optimizers that do not average (Adam, AdamW with a learning
+    rate schedule): every epoch's iterate is evaluated and the best one kept; training runs for
+    its epochs (or until the run loop's early stopping).
+
+    Example:
+      >>> KeepBest().end_of_epoch(NtAsgdStatus(best_val_loss=4.0), 3.5).improved
+      True
+    """
+
+    def end_of_epoch(self, status: NtAsgdStatus, val_loss: float) -> EpochOutcome:
+        new = status._replace(
+            val_history=(*status.val_history, val_loss),
+            best_val_loss=min(val_loss, status.best_val_loss),
+        )
+        return EpochOutcome(new, val_loss < status.best_val_loss, False)

@@ -1,14 +1,13 @@
-"""experiments/language_model.py: the smoke run end to end, resuming after SIGTERM, bad flags.
+"""experiments/language_model.py: the smoke run end to end, its flags, presets and refusals.
 
-The runs are subprocesses sharing one persistent JAX compilation cache (and XLA's fast compile
-mode), so only the first compiles; the kill test uses the smoke preset's shapes on a longer
-corpus over the same 12-word vocabulary as the fixture corpus, so it reuses those compilations.
+The run loop itself (resuming, stop signals, divergence, finetuning, early stopping) is tested
+with a tiny model in tests/train/test_run_loop.py. The runs here are subprocesses sharing one
+persistent JAX compilation cache (and XLA's fast compile mode), so only the first compiles.
 """
 
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,13 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bottleneck.train import parse_config
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "language_model.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import language_model  # noqa: E402
-
-# The fixture corpus's vocabulary (tests/data/fixtures/ptb), <eos> closing every line.
-WORDS = ["the", "cat", "sat", "on", "mat", "dog", "a", "<unk>", "N", "years", "ago"]
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +36,12 @@ def env(tmp_path_factory):
     }
 
 
-def _start(env, *args):
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
 def _run(env, *args):
-    process = _start(env, *args)
-    stdout, stderr = process.communicate(timeout=300)
-    return process.returncode, stdout, stderr
+    process = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return process.returncode, process.stdout, process.stderr
 
 
 def _metrics(out):
@@ -77,7 +70,7 @@ def test_smoke_run_writes_every_output(smoke):
     assert 1 < results["test_ppl"] < 13  # better than uniform over the 12 words
     assert set(results["dynamic_eval"]) >= {"valid_ppl", "test_ppl", "lr", "lamb", "style"}
     config = json.loads((out / "config.json").read_text())
-    assert config["config"]["epochs"] == 3 and config["seed"] == 141
+    assert config["config"]["training"]["epochs"] == 3 and config["seed"] == 141
     assert config["experiment"] == "language_model"
     # The data it was trained on: the files' SHA-256 and their token counts.
     fixtures = language_model.FIXTURES_DIR / "ptb"
@@ -99,75 +92,6 @@ def test_smoke_run_writes_every_output(smoke):
     nll = -np.mean(log_probs[np.arange(len(targets)), targets])
     np.testing.assert_allclose(nll, results["test_loss"], rtol=1e-5)
     assert len(list((out / "checkpoints").iterdir())) >= 1
-
-
-def test_finetune_stage_averages_from_the_best_model(env, smoke, tmp_path):
-    source, _ = smoke
-    out = tmp_path / "finetune"
-    code, stdout, stderr = _run(
-        env, "--preset", "smoke", "--finetune_from", str(source), "--epochs", "2",
-        "--no-dynamic_eval", "--max_logprob_tokens", "0", "--out_dir", str(out),
-    )  # fmt: skip
-    assert code == 0, stderr
-    assert f"finetuning {source}" in stdout
-    epochs = [m for m in _metrics(out) if m["event"] == "epoch"]
-    assert [(m["stage"], m["averaged"]) for m in epochs] == [("finetune", True)] * 2
-    # It starts from the best model of the source run, so it is at least as good.
-    source_results = json.loads((source / "results.json").read_text())
-    assert epochs[0]["best_valid_ppl"] <= source_results["valid_ppl"] * (1 + 1e-6)
-    assert not (out / "log_probs").exists()
-
-
-def _synthetic_corpus(root: Path) -> Path:
-    """PTB-named files over the fixture's words: a noisy cycle, so that there is something to learn."""
-    rng = np.random.default_rng(0)
-    folder = root / "ptb"
-    folder.mkdir()
-    for split, lines in (("train", 300), ("valid", 40), ("test", 20)):
-        text = []
-        for _ in range(lines):
-            start = rng.integers(len(WORDS))
-            words = [WORDS[(start + i) % len(WORDS)] if rng.random() < 0.8 else
-                     WORDS[rng.integers(len(WORDS))] for i in range(rng.integers(5, 15))]  # fmt: skip
-            text.append(" ".join(words))
-        (folder / f"ptb.{split}.txt").write_text("\n".join(text) + "\n")
-    return folder
-
-
-def test_sigterm_then_rerun_resumes_without_losing_or_repeating_epochs(env, smoke, tmp_path):
-    data = _synthetic_corpus(tmp_path)
-    flags = ["--preset", "smoke", "--data_dir", str(data), "--epochs", "4", "--no-dynamic_eval",
-             "--max_logprob_tokens", "20"]  # fmt: skip
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    code, _, stderr = _run(env, *flags, "--out_dir", str(reference))
-    assert code == 0, stderr
-
-    process = _start(env, *flags, "--out_dir", str(resumed))
-    checkpoints = resumed / "checkpoints"
-    deadline = time.monotonic() + 240
-    while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.01)
-    process.send_signal(signal.SIGTERM)  # after epoch 1's checkpoint
-    stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr
-    assert "SIGTERM received" in stdout
-    killed_epochs = [m["epoch"] for m in _metrics(resumed)]
-    assert 1 <= len(killed_epochs) < 4 and killed_epochs == list(range(1, len(killed_epochs) + 1))
-
-    code, stdout, stderr = _run(env, *flags, "--out_dir", str(resumed))
-    assert code == 0, stderr
-    assert "resumed" in stdout
-    got, want = _metrics(resumed), _metrics(reference)
-    assert [m["epoch"] for m in got if m["event"] == "epoch"] == [1, 2, 3, 4]
-    assert [m["event"] for m in got] == [m["event"] for m in want]
-    # Dropout masks and window lengths depend on (seed, epoch, step) only and the recurrent
-    # state is checkpointed, so the interrupted run is the uninterrupted one.
-    for key in ("train_loss", "valid_loss", "best_valid_ppl", "step"):
-        np.testing.assert_allclose([m[key] for m in got if "epoch" in m],
-                                   [m[key] for m in want if "epoch" in m], rtol=1e-5, err_msg=key)  # fmt: skip
-    results = [json.loads((out / "results.json").read_text()) for out in (resumed, reference)]
-    np.testing.assert_allclose(results[0]["test_loss"], results[1]["test_loss"], rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -204,12 +128,39 @@ def test_missing_data_dir_and_env_var(tmp_path, capsys, monkeypatch):
     assert "$BOTTLENECK_DATA_DIR is not set" in err and "ptb.train.txt" in err
 
 
+def test_help_lists_the_groups_both_spellings_and_what_each_preset_sets(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        language_model.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for group in ("data:", "awd_lstm:", "head:", "optimizer:", "training:", "evaluation:"):
+        assert f"\n{group}\n" in text, group
+    assert "--lr FLOAT, --optimizer.lr FLOAT" in text and "--head STR, --head.name STR" in text
+    presets = text[text.index("presets (--preset NAME)") :]
+    mos_ptb = presets[presets.index("  mos-ptb ") : presets.index("  mos-wt2 ")]
+    assert "--head mos" in mos_ptb and "--lr 20.0" in mos_ptb and "--seed 28" in mos_ptb
+    assert "--dropouti" not in mos_ptb  # 0.4, the default: only what a preset changes is listed
+
+
+def test_dotted_and_short_flags_set_the_same_field(tmp_path):
+    base = ["--preset", "smoke", "--out_dir", str(tmp_path)]
+    dotted = parse_config(
+        language_model.Config,
+        language_model.PRESETS,
+        [*base, "--optimizer.lr", "3", "--head.name", "mos"],
+    )
+    short = parse_config(
+        language_model.Config, language_model.PRESETS, [*base, "--lr", "3", "--head", "mos"]
+    )
+    assert dotted == short and dotted.optimizer.lr == 3.0 and dotted.head.name == "mos"
+
+
 def test_resuming_with_other_flags_is_refused(smoke, capsys):
     out, _ = smoke
     with pytest.raises(SystemExit) as exit_info:
         language_model.main(["--preset", "smoke", "--out_dir", str(out), "--lr", "3.0"])
     assert exit_info.value.code == 2
-    assert "different config (lr: 1.0 -> 3.0)" in capsys.readouterr().err
+    assert "different config (optimizer.lr: 1.0 -> 3.0)" in capsys.readouterr().err
 
 
 def test_a_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
@@ -221,55 +172,17 @@ def test_a_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
     assert not (tmp_path / "checkpoints").exists()  # refused before touching anything
 
 
-def test_a_diverged_run_stops_with_a_clear_message_and_keeps_its_last_checkpoint(
-    tmp_path, capsys, monkeypatch
-):
-    # The training loss turns NaN in epoch 2 (as a too large --lr would make it).
-    train_epoch = language_model.Run._train_epoch
+def test_a_diverged_run_exits_with_status_1_and_the_loops_message(tmp_path, capsys, monkeypatch):
+    # The loop's side (nothing of the broken epoch saved, the last checkpoint resumes) is
+    # tests/train/test_run_loop.py's; here, what the command line makes of it.
+    def diverge(config):
+        raise language_model.TrainingDiverged("the training loss became nan in epoch 2")
 
-    def poisoned(run, stop):
-        if run.epoch == 1:
-            step = run.trainer.train_step
-
-            def nan_step(*args, **kwargs):
-                carry, metrics = step(*args, **kwargs)
-                return carry, metrics._replace(nll=metrics.nll * np.nan)
-
-            monkeypatch.setattr(run.trainer, "train_step", nan_step)
-        return train_epoch(run, stop)
-
-    monkeypatch.setattr(language_model.Run, "_train_epoch", poisoned)
-    argv = ["--preset", "smoke", "--no-dynamic_eval", "--epochs", "2", "--out_dir", str(tmp_path)]
+    monkeypatch.setattr(language_model, "run_experiment", diverge)
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main(argv)
+        language_model.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 1
-    err = capsys.readouterr().err
-    assert "the training loss became nan in epoch 2" in err
-    assert "the checkpoint of epoch 1 is kept" in err
-    assert not (tmp_path / "results.json").exists()  # no perplexity of a broken model
-    assert [m["epoch"] for m in _metrics(tmp_path)] == [1]
-
-    monkeypatch.setattr(language_model.Run, "_train_epoch", train_epoch)
-    results = language_model.main(argv)  # the kept checkpoint resumes
-    assert results["epochs_trained"] == 2 and np.isfinite(results["test_loss"])
-
-
-def test_early_stopping_and_stop_reasons():
-    config = language_model.Config(epochs=5, patience=2)
-    records = [{"valid_loss": v} for v in (5.0, 4.0, 4.5)]
-    assert language_model.epochs_since_best(records) == 1
-    assert language_model.epochs_since_best([*records, {"valid_loss": 4.2}]) == 2
-    assert language_model.epochs_since_best([*records, {"valid_loss": 3.0}]) == 0
-    status = language_model.NtAsgdStatus()
-    assert language_model.stop_reason(records, status, config) == "running"
-    stopped = [*records, {"valid_loss": 4.2, "early_stop": True}]
-    assert language_model.stop_reason(stopped, status._replace(finished=True), config) == (
-        "early stopping (no improvement for 2 epochs)"
-    )
-    full = [{"valid_loss": 1.0 - i / 10} for i in range(5)]
-    assert language_model.stop_reason(full, status, config) == "epoch budget (5)"
-    finetuned = status._replace(finished=True)
-    assert language_model.stop_reason(records, finetuned, config) == "finetune criterion (NT-ASGD)"
+    assert "error: the training loss became nan in epoch 2" in capsys.readouterr().err
 
 
 def test_a_folder_of_another_experiment_is_refused_before_anything_is_written(tmp_path, capsys):

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from bottleneck.data import batchify
-from bottleneck.nn.awd_lstm import AWDLSTM
+from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel
 from bottleneck.train import make_optimizer
 from bottleneck.train.dynamic_eval import (
     GradientStatistics,
@@ -65,7 +65,9 @@ def test_dynamic_evaluation_adapts_to_a_repeated_sequence():
     vocab = 20
     model = AWDLSTM(vocab, emsize=8, nhid=16, nlayers=1, dropout=0.0, dropouth=0.0,
                     dropouti=0.0, dropoute=0.0, wdrop=0.0, rngs=nnx.Rngs(0))  # fmt: skip
-    trainer = LanguageModelTrainer(model, make_optimizer(1.0, optimizer="sgd"))
+    trainer = LanguageModelTrainer(
+        AWDLSTMLanguageModel(model), make_optimizer(1.0, optimizer="sgd")
+    )
     phrase = np.random.default_rng(0).integers(0, vocab, 10).astype(np.int32)
     stream = batchify(np.tile(phrase, 12), 1)
     params = trainer.state.params

@@ -17,6 +17,7 @@ from bottleneck.train import (
     print_table,
     progress,
 )
+from bottleneck.train.experiment import check_resumable, replace_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +156,99 @@ def test_non_finite_floats_are_refused(argv, message, capsys):
         parse_config(Config, PRESETS, argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """How to step."""
+
+    lr: float = 0.1
+    name: str = dataclasses.field(default="sgd", metadata={"flag": "optimizer"})
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    width: int = 8
+    lr: float = 1.0  # a second "lr": both answer to their dotted names only
+
+
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    """A config with parts."""
+
+    optimizer: Optimizer = Optimizer()
+    model: Model = Model()
+    seed: int = 0
+    out_dir: str = "runs/nested"
+
+    def validate(self) -> None:
+        if self.model.width < self.seed:
+            raise ValueError("width must be >= seed")
+
+
+NESTED_PRESETS = {"wide": {"model.width": 64, "optimizer.name": "adam"}}
+
+
+def test_parts_are_groups_of_dotted_flags_with_unique_short_names():
+    config = parse_config(Nested, NESTED_PRESETS, ["--preset", "wide", "--optimizer.lr", "0.5"])
+    assert config == Nested(Optimizer(0.5, "adam"), Model(width=64), out_dir="runs/nested_wide")
+    # A field's short name (or its metadata "flag") works where no other field claims it.
+    assert parse_config(Nested, {}, ["--width", "3", "--optimizer", "adam"]) == parse_config(
+        Nested, {}, ["--model.width", "3", "--optimizer.name", "adam"]
+    )
+    assert parse_config(Nested, {}, ["--model.lr", "2"]).model.lr == 2.0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "1"], "unrecognized arguments: --lr"),  # two fields are called lr
+        (["--optimizer.lr", "nan"], "optimizer.lr must be finite, got nan"),
+        (["--optimizer.lr", "0"], "lr must be > 0, got 0.0"),  # the part's validate()
+        (["--seed", "9"], "width must be >= seed"),  # the config's, after its parts'
+    ],
+)
+def test_nested_values_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(Nested, NESTED_PRESETS, argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_shows_the_groups_and_what_each_preset_sets(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(Nested, {**NESTED_PRESETS, "big": Nested(seed=2)}, ["--help"])
+    text = capsys.readouterr().out
+    assert "\noptimizer:\n  How to step.\n" in text and "\nmodel:\n" in text
+    assert "--width INT, --model.width INT" in text and "--model.lr FLOAT" in text
+    presets = text[text.index("presets (--preset NAME)") :].splitlines()
+    assert presets[1:] == [
+        "  default  (the defaults)",
+        "  wide     --optimizer adam --width 64 --out_dir runs/nested_wide",
+        "  big      --seed 2",
+    ]
+
+
+def test_replace_fields_and_presets_name_fields_that_exist():
+    config = replace_fields(Nested(), {"model.width": 2, "seed": 1})
+    assert config == Nested(model=Model(width=2), seed=1)
+    with pytest.raises(TypeError, match=r"Model has no field\(s\) \['depth'\]"):
+        replace_fields(Nested(), {"model.depth": 2})
+    with pytest.raises(TypeError, match="has no field"):  # any preset, whichever is chosen
+        parse_config(Nested, {"typo": {"optimiser.lr": 1.0}}, [])
+
+
+def test_check_resumable_compares_dotted_fields_but_those_that_may_change(tmp_path):
+    open_run(tmp_path, Nested())
+    check_resumable(tmp_path, Nested())
+    check_resumable(tmp_path, Nested(optimizer=Optimizer(lr=0.2)), may_change=["optimizer"])
+    with pytest.raises(RunFolderError, match=r"different config \(model.width: 8 -> 9\)"):
+        check_resumable(tmp_path, Nested(model=Model(width=9)), may_change=["optimizer.lr"])
+    check_resumable(tmp_path / "new", Nested(seed=5))  # no recorded run: nothing to compare
 
 
 def test_a_folder_of_another_experiment_is_refused(tmp_path, capsys):

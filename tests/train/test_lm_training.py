@@ -1,4 +1,4 @@
-"""NT-ASGD, the language-model trainer, checkpoints, stop signals and log-prob blocks."""
+"""NT-ASGD, the language-model trainer with the AWD-LSTM, checkpoints, stop signals, log-prob blocks."""
 
 import os
 import signal
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from bottleneck.data import BpttWindow
-from bottleneck.nn.awd_lstm import AWDLSTM
+from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel
 from bottleneck.train.checkpoint import CheckpointStore, RunFolderBusy, RunLock, StopSignals
 from bottleneck.train.lm import LanguageModelTrainer, LogProbBlockWriter, pad_window, padded_length
 from bottleneck.train.nt_asgd import (
@@ -75,7 +75,7 @@ def _window(rng, length=6, batch=2, vocab=16):
 def trainer():
     model = AWDLSTM(16, emsize=4, nhid=8, nlayers=1, dropout=0.0, dropouth=0.0, dropouti=0.0,
                     dropoute=0.0, wdrop=0.0, rngs=nnx.Rngs(0))  # fmt: skip
-    return LanguageModelTrainer(model, optax.sgd(0.5), alpha=2.0, beta=1.0)
+    return LanguageModelTrainer(AWDLSTMLanguageModel(model, alpha=2.0, beta=1.0), optax.sgd(0.5))
 
 
 def test_trainer_averages_iterates_and_scales_the_step(trainer):
@@ -158,8 +158,10 @@ def test_log_prob_blocks(tmp_path):
 
 def test_padding():
     assert [padded_length(n, 8) for n in (1, 8, 9, 70)] == [8, 8, 16, 72]
-    window = pad_window(_window(np.random.default_rng(0), length=5), 8)
-    assert window.inputs.shape == (8, 2) and int(window.length) == 5
-    assert np.all(window.inputs[5:] == 0) and np.all(window.targets[5:] == 0)
+    raw = _window(np.random.default_rng(0), length=5)
+    window = pad_window(raw, 8)  # batch-major, padded after the real steps
+    assert window.inputs.shape == (2, 8) and int(window.length) == 5
+    np.testing.assert_array_equal(window.inputs[:, :5], raw.inputs.T)
+    assert np.all(window.inputs[:, 5:] == 0) and np.all(window.targets[:, 5:] == 0)
     with pytest.raises(ValueError, match="length must be >="):
         pad_window(_window(np.random.default_rng(0), length=9), 8)

@@ -1,0 +1,559 @@
+"""The language-model run loop, for any model: train, checkpoint, resume, stop, evaluate.
+
+:func:`train_and_evaluate` runs one experiment in a run folder opened with :func:`open_session`:
+
+1. resume from the folder's latest checkpoint, or start a finetune stage from another run's best
+   model (``TrainingConfig.finetune_from``), or start afresh;
+2. train epoch by epoch: windows from :meth:`DataConfig.train_windows` (a function of the seed
+   and the epoch), one :meth:`LanguageModelTrainer.train_step` each; after every epoch, validate
+   the evaluated parameters (the iterate, or its average once the policy averages), let the
+   :class:`~bottleneck.train.nt_asgd.EpochPolicy` decide (NT-ASGD switches to averaging and
+   stops a finetune stage; :class:`~bottleneck.train.nt_asgd.KeepBest` only keeps the best),
+   keep the best parameters, stop early after ``patience`` epochs without improvement, append
+   one line to ``metrics.jsonl`` and write a checkpoint;
+3. evaluate the best parameters: validation and test perplexity, the test log-probabilities
+   (``log_probs/``) and, if asked, dynamic evaluation; write ``results.json``.
+
+The model is anything that :class:`~bottleneck.train.lm.LanguageModelTrainer` trains, that is an
+``nnx.Module`` with these methods (:class:`bottleneck.train.lm.LanguageModel`), all on batch-major
+token ids ``[B, T]`` padded after ``length`` (an int32 scalar) real steps:
+
+* ``initial_carry(batch_size)``: the state carried from one window to the next (truncated BPTT),
+  a pytree of batch-leading arrays, or ``None`` for a stateless model (a Transformer);
+* ``objective(tokens, targets, carry, *, key, length) -> (loss, aux)``: the training loss with
+  dropout from ``key``; ``aux.nll`` is its mean NLL, ``aux.carry`` the next carry;
+* ``nll(tokens, targets, carry, *, length) -> (mean_nll, carry)``: deterministic, for evaluation
+  and dynamic evaluation;
+* ``log_probs(tokens, carry, *, length) -> (log_probs [B, T, M], carry)``: deterministic.
+
+The optimizer is the trainer's optax transformation (a schedule such as warmup + cosine decay
+lives inside it, keyed by the step count that checkpoints keep) with its epoch policy; a model
+family plugs in with a model builder and an optimizer choice, nothing here.
+
+Resuming. A checkpoint holds the trainer's state (parameters, optimizer state, average, step),
+the best parameters, the carry, and the loop's bookkeeping (epoch, window in it, policy status,
+partial sums, every epoch's record); dropout keys and window lengths are functions of (seed,
+epoch, step), so a resumed run continues as if never stopped. :func:`open_session` refuses a
+folder whose checkpointed run had another config, but for the fields it is told may change.
+On SIGINT / SIGTERM the run finishes its step, saves and exits with status 128 + signal; a
+training loss that turns NaN or infinite stops it with :class:`TrainingDiverged` before anything
+of the broken epoch is saved.
+
+Writes to the run folder: config.json, metrics.jsonl (one line per epoch: train loss,
+validation perplexity, seconds, tokens/s; a final "test" line), results.json,
+log_probs/block_*.npy (test log-probabilities [T_i, M], float32, one row per test token in
+evaluation order: window, time step, sequence), log_prob_targets.npy (the rows' target ids) and
+checkpoints/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import time
+from collections.abc import Collection, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from bottleneck.data import BpttWindow, batchify
+from bottleneck.data.tfds_builders import TokenizedCorpus
+from bottleneck.train.checkpoint import CheckpointStore, RunLock, StopSignals
+from bottleneck.train.experiment import (
+    RunDir,
+    UsageError,
+    check_resumable,
+    check_run_folder,
+    open_run,
+    print_table,
+    progress,
+    to_jsonable,
+)
+from bottleneck.train.lm import (
+    LanguageModelTrainer,
+    LogProbBlockWriter,
+    eval_windows,
+    num_eval_windows,
+    pad_window,
+    padded_length,
+)
+from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
+from bottleneck.train.nt_asgd import EpochPolicy, NtAsgdStatus
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite (scripts exit with status 1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """A run folder held by this process: its files, checkpoints and the stop signals."""
+
+    run: RunDir
+    store: CheckpointStore
+    stop: StopSignals
+
+
+@contextlib.contextmanager
+def open_session(
+    out_dir: str | Path, config: Any, *, may_change: Collection[str] = ()
+) -> Iterator[Session]:
+    """Takes ``out_dir`` for one run of ``config`` (:class:`Session`); releases it on exit.
+
+    In this order, so that a refused folder is left as it was: the folder must be this
+    experiment's (:func:`~bottleneck.train.experiment.check_run_folder`), no other process may
+    hold it (:class:`~bottleneck.train.checkpoint.RunLock`), and a checkpointed run in it must
+    have the same config but for the fields in ``may_change``
+    (:func:`~bottleneck.train.experiment.check_resumable`); then ``config.json`` is written
+    (``metrics.jsonl`` is kept when resuming). Each refusal is a
+    :class:`~bottleneck.train.experiment.RunFolderError`.
+    """
+    root = check_run_folder(out_dir, config)
+    with RunLock(root), CheckpointStore(root / "checkpoints") as store, StopSignals() as stop:
+        resuming = store.latest_step() is not None
+        if resuming:
+            check_resumable(root, config, may_change)
+        yield Session(open_run(root, config, resume=resuming), store, stop)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 700.0))
+
+
+def epochs_since_best(records: list[dict[str, Any]]) -> int:
+    """Epochs since the lowest validation loss in ``records`` (0: the last epoch is the best)."""
+    losses = [record["valid_loss"] for record in records]
+    return len(losses) - 1 - int(np.argmin(losses))
+
+
+def stop_reason(
+    records: list[dict[str, Any]], status: NtAsgdStatus, training: TrainingConfig
+) -> str:
+    """Why training ended (or ``"running"``): early stopping, the policy's rule, the budget."""
+    if any(record.get("early_stop") for record in records):
+        return f"early stopping (no improvement for {training.patience} epochs)"
+    if status.finished:
+        return "finetune criterion (NT-ASGD)"
+    if len(records) >= training.epochs:
+        return f"epoch budget ({training.epochs})"
+    return "running"
+
+
+class Ticker:
+    """A progress bar advanced once per window that stops the run on a pending signal."""
+
+    def __init__(self, stop: StopSignals, total: int, desc: str):
+        self.stop, self.bar = stop, progress(None, total=total, desc=desc)
+
+    def __call__(self) -> None:
+        self.bar.update(1)
+        if self.stop.requested:  # nothing to save: the final evaluation is redone on resume
+            raise SystemExit(self.stop.exit_code)
+
+    def __enter__(self) -> Ticker:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.bar.close()
+
+
+class LanguageModelRun:
+    """One training run: the trainer, its bookkeeping, checkpoints and metrics.
+
+    :func:`train_and_evaluate` drives it; the parts are separate so that tests can stop and
+    restart a run between them.
+
+    Args:
+      trainer: the model and its optimizer (freshly initialised: a checkpoint or a finetune
+        source replaces its state).
+      corpus: the token ids of the three splits.
+      session: from :func:`open_session`.
+      data, training, evaluation: the config's parts.
+      policy: the optimizer's epoch policy (NT-ASGD, keep-best, ...).
+      seed: of the training windows' lengths.
+    """
+
+    def __init__(
+        self,
+        trainer: LanguageModelTrainer,
+        corpus: TokenizedCorpus,
+        session: Session,
+        *,
+        data: DataConfig,
+        training: TrainingConfig,
+        evaluation: EvaluationConfig,
+        policy: EpochPolicy,
+        seed: int,
+    ):
+        self.trainer, self.corpus = trainer, corpus
+        self.data, self.training, self.evaluation = data, training, evaluation
+        self.policy, self.seed = policy, seed
+        self.run, self.store, self.stop = session.run, session.store, session.stop
+        self.train_batched = batchify(corpus.train, data.batch_size)
+        self.val_batched = batchify(corpus.validation, data.eval_batch_size)
+        if self.train_batched.shape[0] < 3 or self.val_batched.shape[0] < 2:
+            raise UsageError(
+                f"corpus too small for batch_size {data.batch_size} / eval_batch_size "
+                f"{data.eval_batch_size}: train {self.train_batched.shape}, validation "
+                f"{self.val_batched.shape} after batchify"
+            )
+        # Copies: the training steps donate (and so delete) the state's own arrays.
+        self.best_params = jax.tree.map(jnp.copy, trainer.state.params)
+        self.status = NtAsgdStatus()
+        self.epoch = 0  # completed epochs
+        self.window = 0  # windows done in the current epoch
+        self.carry = trainer.initial_carry(data.batch_size)
+        self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0}
+        self.records: list[dict[str, Any]] = []
+        self.saved_step: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.epoch >= self.training.epochs or self.status.finished
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _items(self) -> dict[str, Any]:
+        items = {"state": self.trainer.state, "best_params": self.best_params}
+        if self.carry is not None:  # a stateless model carries nothing between windows
+            items["carry"] = self.carry
+        return items
+
+    def save(self) -> None:
+        step = int(self.trainer.state.step)
+        if step == self.saved_step:
+            return
+        meta = {
+            "epoch": self.epoch,
+            "window": self.window,
+            "status": self.status._asdict(),
+            "partial": self.partial,
+            "records": self.records,
+        }
+        self.store.save(step, self._items(), to_jsonable(meta))
+        self.saved_step = step
+
+    def restore(self) -> bool:
+        """Loads the latest checkpoint if there is one; rewrites metrics.jsonl from it."""
+        step = self.store.latest_step()
+        if step is None:
+            return False
+        items, meta = self.store.restore(self._items(), step)
+        self.trainer.state = items["state"]
+        self.best_params, self.carry = items["best_params"], items.get("carry")
+        self.epoch, self.window, self.partial = meta["epoch"], meta["window"], meta["partial"]
+        status = meta["status"]
+        self.status = NtAsgdStatus(
+            tuple(status["val_history"]),
+            status["best_val_loss"],
+            status["averaging"],
+            status["finished"],
+        )
+        self.records = meta["records"]
+        self.saved_step = step
+        # The checkpoint is the truth: drop lines of unfinished epochs, restore lost ones.
+        with self.run.path("metrics.jsonl").open("w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in self.records)
+        if self.finished:
+            print(f"resumed {self.run.root}: training is complete, evaluating its best model")
+        else:
+            print(f"resumed {self.run.root} at epoch {self.epoch + 1}, window {self.window}")
+        return True
+
+    def start_finetune(self, source: str) -> None:
+        """Finetune stage: start from ``source``'s best model, averaging from the first step."""
+        with CheckpointStore(Path(source) / "checkpoints") as src:
+            if src.latest_step() is None:
+                raise UsageError(f"--finetune_from {source}: no checkpoint in {src.directory}")
+            try:
+                items, _ = src.restore({"best_params": self.trainer.state.params})
+            except ValueError as err:
+                raise UsageError(f"--finetune_from {source}: {err}") from None
+        params = items["best_params"]
+        copy = functools.partial(jax.tree.map, jnp.copy)
+        self.trainer.state = self.trainer.state._replace(params=copy(params), average=copy(params))
+        val_loss = self.trainer.evaluate(params, self.val_batched, self.data.bptt)
+        self.best_params = params
+        self.status = NtAsgdStatus(best_val_loss=val_loss, averaging=True)
+        print(
+            f"finetuning {source}: its best model has validation perplexity {perplexity(val_loss):.2f}"
+        )
+
+    # -- training ------------------------------------------------------------------------------
+
+    def train(self) -> None:
+        """Trains until the epoch budget ends or the policy or early stopping ends training."""
+        while not self.finished:
+            self._train_epoch()
+            eval_params = (
+                self.trainer.state.average if self.status.averaging else self.trainer.state.params
+            )
+            start = time.perf_counter()
+            val_loss = self.trainer.evaluate(eval_params, self.val_batched, self.data.bptt)
+            val_seconds = time.perf_counter() - start
+            outcome = self.policy.end_of_epoch(self.status, val_loss)
+            if outcome.improved:
+                self.best_params = jax.tree.map(jnp.copy, eval_params)
+            if outcome.switched:  # the average starts from the next iterate
+                self.trainer.state = self.trainer.state._replace(
+                    num_averaged=jnp.zeros((), jnp.int32)
+                )
+            seconds = self.partial["seconds"]
+            train_loss = self.partial["nll_sum"] / max(self.partial["tokens"], 1)
+            record = {
+                "event": "epoch",
+                "stage": "train" if self.training.finetune_from is None else "finetune",
+                "epoch": self.epoch + 1,
+                "step": int(self.trainer.state.step),
+                "train_loss": train_loss,
+                "train_ppl": perplexity(train_loss),
+                "valid_loss": val_loss,
+                "valid_ppl": perplexity(val_loss),
+                "best_valid_ppl": perplexity(outcome.status.best_val_loss),
+                "averaged": self.status.averaging,
+                "switched_to_asgd": outcome.switched,
+                "seconds": seconds,
+                "tokens_per_second": self.partial["tokens"] / max(seconds, 1e-9),
+                "valid_seconds": val_seconds,
+            }
+            self.status = outcome.status
+            self.records.append(record)
+            patience = self.training.patience
+            if patience is not None and epochs_since_best(self.records) >= patience:
+                record["early_stop"] = True
+                self.status = self.status._replace(finished=True)
+            self.epoch, self.window = self.epoch + 1, 0
+            self.carry = self.trainer.initial_carry(self.data.batch_size)
+            self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0}
+            self.save()
+            self.run.log_metrics(record)
+            tqdm.write(
+                f"epoch {record['epoch']:4d} | train ppl {record['train_ppl']:9.2f} | valid ppl "
+                f"{record['valid_ppl']:9.2f} | {seconds:7.1f} s | {record['tokens_per_second']:8.0f} "
+                f"tok/s{' | ASGD' if self.status.averaging else ''}"
+                f"{' (switched)' if outcome.switched else ''}"
+            )
+            if self.stop.requested:
+                raise SystemExit(self.stop.exit_code)
+            if self.status.finished:
+                tqdm.write(
+                    f"{stop_reason(self.records, self.status, self.training)}: training stops"
+                )
+
+    def _windows(self) -> Iterator[BpttWindow]:
+        return self.data.train_windows(self.train_batched, self.epoch, self.seed)
+
+    def _train_epoch(self) -> None:
+        batch, bucket = self.data.batch_size, self.data.seq_len_bucket
+        total = sum(1 for _ in self._windows())
+        bar = progress(
+            itertools.islice(self._windows(), self.window, None),
+            total=total - self.window,
+            desc=f"epoch {self.epoch + 1}/{self.training.epochs}",
+        )
+        nll_sum, tokens = jnp.float32(self.partial["nll_sum"]), int(self.partial["tokens"])
+        start = time.perf_counter()
+
+        def keep_partial() -> None:
+            self.partial = {
+                "nll_sum": float(nll_sum),
+                "tokens": tokens,
+                "seconds": self.partial["seconds"] + time.perf_counter() - start,
+            }
+
+        for window in bar:
+            padded = pad_window(window, padded_length(window.seq_len, bucket))
+            self.carry, metrics = self.trainer.train_step(
+                self.carry, padded, window.lr_scale, averaging=self.status.averaging
+            )
+            nll_sum = nll_sum + metrics.nll * (window.seq_len * batch)
+            tokens += window.seq_len * batch
+            self.window += 1
+            if self.window % 10 == 0:
+                loss = float(nll_sum) / tokens
+                self._check_finite(loss)
+                bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{perplexity(loss):.1f}")
+            if self.stop.requested:  # the step is done: save where we are and leave
+                self._check_finite(float(nll_sum) / tokens)  # never checkpoint a diverged state
+                keep_partial()
+                self.save()
+                raise SystemExit(self.stop.exit_code)
+        self._check_finite(float(nll_sum) / max(tokens, 1))
+        keep_partial()
+
+    def _check_finite(self, loss: float) -> None:
+        """Stops a diverged run before anything of it is saved: its last checkpoint stays good."""
+        if not math.isfinite(loss):
+            kept = (
+                f"the checkpoint of epoch {self.epoch} is kept in {self.store.directory}"
+                if self.epoch
+                else "there is no checkpoint yet"
+            )
+            raise TrainingDiverged(
+                f"the training loss became {loss} in epoch {self.epoch + 1} (window "
+                f"{self.window}); nothing of this epoch was saved and {kept}; lower the "
+                "learning rate or clip the gradients harder"
+            )
+
+    # -- final evaluation ------------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, Any]:
+        """Validation and test perplexity of the best model, test log-probs, dynamic evaluation."""
+        evaluation, params, bptt = self.evaluation, self.best_params, self.data.bptt
+        with Ticker(self.stop, num_eval_windows(self.val_batched, bptt), "validation") as tick:
+            valid_loss = self.trainer.evaluate(params, self.val_batched, bptt, on_window=tick)
+        test_batched = batchify(self.corpus.test, evaluation.test_batch_size)
+        writer = None
+        if evaluation.max_logprob_tokens != 0:
+            writer = LogProbBlockWriter(
+                self.run.root / "log_probs",
+                block_rows=evaluation.logprob_block_tokens,
+                max_rows=evaluation.max_logprob_tokens,
+            )
+        start = time.perf_counter()
+        with Ticker(self.stop, num_eval_windows(test_batched, bptt), "test") as tick:
+            test_loss = self.trainer.evaluate(
+                params, test_batched, bptt, writer=writer, on_window=tick
+            )
+        test_seconds = time.perf_counter() - start
+        seconds = [record["seconds"] for record in self.records]
+        results: dict[str, Any] = {
+            "num_params": sum(int(np.size(x)) for x in jax.tree.leaves(params)),
+            "epochs_trained": self.epoch,
+            "stop_reason": stop_reason(self.records, self.status, self.training),
+            "data": self.corpus.provenance(),  # the files' SHA-256 and full token counts
+            "tokens_used": {
+                "train": len(self.corpus.train),
+                "validation": len(self.corpus.validation),
+                "test": len(self.corpus.test),
+            },
+            "asgd_switch_epoch": next(
+                (r["epoch"] for r in self.records if r["switched_to_asgd"]), None
+            ),
+            "best_valid_ppl_during_training": perplexity(self.status.best_val_loss),
+            "valid_loss": valid_loss,
+            "valid_ppl": perplexity(valid_loss),
+            "test_loss": test_loss,
+            "test_ppl": perplexity(test_loss),
+            "test_seconds": test_seconds,
+            "seconds_per_epoch": float(np.median(seconds)) if seconds else None,
+        }
+        if writer is not None:
+            np.save(self.run.path("log_prob_targets.npy"), writer.close())
+            results["log_probs"] = {
+                "dir": str(writer.directory),
+                "files": len(writer.files),
+                "rows": writer.rows_written,
+                "vocab_size": len(self.corpus.vocabulary),
+            }
+        if evaluation.dynamic_eval:
+            results["dynamic_eval"] = self.dynamic_eval(params)
+        return results
+
+    def dynamic_eval(self, params: Any) -> dict[str, Any]:
+        """Dynamic evaluation of ``params`` on the validation and test streams."""
+        evaluation = self.evaluation
+        segment = evaluation.dynamic_eval_segment
+        stats_batched = batchify(self.corpus.train, evaluation.dynamic_eval_batch_size)
+        hyper = {
+            "segment": segment,
+            "lr": evaluation.dynamic_eval_lr,
+            "lamb": evaluation.dynamic_eval_lambda,
+            "epsilon": evaluation.dynamic_eval_epsilon,
+            "style": evaluation.dynamic_eval_style,
+        }
+        results: dict[str, Any] = dict(hyper)
+        stats = None
+        for split, ids in (("valid", self.corpus.validation), ("test", self.corpus.test)):
+            batched = batchify(ids, 1)  # one stream, as Krause's and Yang's dynamiceval.py
+            total = num_eval_windows(batched, segment)
+            if stats is None:  # the training-gradient statistics, once for both splits
+                total += min(
+                    num_eval_windows(stats_batched, segment),
+                    evaluation.dynamic_eval_max_batches or math.inf,
+                )
+            start = time.perf_counter()
+            with Ticker(self.stop, int(total), f"dynamic eval ({split})") as tick:
+                loss, stats = self.trainer.dynamic_evaluate(
+                    params,
+                    eval_windows(stats_batched, segment),
+                    batched,
+                    stats_batch_size=evaluation.dynamic_eval_batch_size,
+                    max_batches=evaluation.dynamic_eval_max_batches,
+                    stats=stats,
+                    on_window=tick,
+                    **hyper,
+                )
+            results[f"{split}_loss"], results[f"{split}_ppl"] = loss, perplexity(loss)
+            results[f"{split}_seconds"] = time.perf_counter() - start
+        return results
+
+
+def train_and_evaluate(
+    trainer: LanguageModelTrainer,
+    corpus: TokenizedCorpus,
+    session: Session,
+    *,
+    data: DataConfig,
+    training: TrainingConfig,
+    evaluation: EvaluationConfig,
+    policy: EpochPolicy,
+    seed: int,
+    describe: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Trains (or resumes, or finetunes) and evaluates; writes and returns the results.
+
+    Args:
+      trainer, corpus, session, data, training, evaluation, policy, seed: as for
+        :class:`LanguageModelRun`.
+      describe: what was trained (e.g. model, head, corpus): the first entries of the results
+        and of the printed summary.
+
+    Returns:
+      ``results.json``'s contents: ``describe``, then the evaluation's results (perplexities,
+      ``stop_reason``, ``data`` provenance, ``tokens_used``, ``dynamic_eval``, ...).
+    """
+    lm = LanguageModelRun(
+        trainer,
+        corpus,
+        session,
+        data=data,
+        training=training,
+        evaluation=evaluation,
+        policy=policy,
+        seed=seed,
+    )
+    if not lm.restore() and training.finetune_from is not None:
+        lm.start_finetune(training.finetune_from)
+    num_params = sum(int(np.size(x)) for x in jax.tree.leaves(trainer.state.params))
+    print(
+        f"{', '.join(f'{key} {value}' for key, value in describe.items())}: vocabulary "
+        f"{len(corpus.vocabulary)}, train {len(corpus.train)} tokens, {num_params:,} parameters"
+    )
+    lm.train()
+    results = {**describe, **lm.evaluate()}
+    run = session.run
+    run.write_json("results.json", results)
+    run.log_metrics(
+        {"event": "test", **{k: v for k, v in results.items() if not isinstance(v, dict)}}
+    )
+    summary = {**describe, **{k: results[k] for k in ("epochs_trained", "valid_ppl", "test_ppl")}}
+    if "dynamic_eval" in results:
+        summary |= {
+            "dyn_valid_ppl": results["dynamic_eval"]["valid_ppl"],
+            "dyn_test_ppl": results["dynamic_eval"]["test_ppl"],
+        }
+    print_table([summary], floatfmt=".2f")
+    written = ["results.json", "metrics.jsonl", "config.json", "checkpoints/"]
+    if "log_probs" in results:
+        written += ["log_probs/", "log_prob_targets.npy"]
+    print(f"\nwrote {run.root}/: {', '.join(written)}")
+    return results
