@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 import nbformat
+from ipykernel.kernelspec import write_kernel_spec
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,15 +49,25 @@ def kernel_env() -> dict[str, str]:
 def execute(path: Path = NOTEBOOK, cwd: str | Path | None = None) -> nbformat.NotebookNode:
     """Runs the notebook at ``path`` in a new kernel whose working directory is ``cwd``.
 
-    Raises ``nbclient.exceptions.CellExecutionError`` on the first cell that fails. Returns the
-    executed notebook; the file at ``path`` is not changed.
+    The kernel is this Python interpreter. Raises ``nbclient.exceptions.CellExecutionError`` on
+    the first cell that fails. Returns the executed notebook; the file at ``path`` is not changed.
     """
     notebook = nbformat.read(path, as_version=4)
-    with tempfile.TemporaryDirectory() as default_cwd:
+    with tempfile.TemporaryDirectory() as scratch:
+        # A kernel spec of our own: a "python3" kernel installed for the user may be another
+        # interpreter, without this environment's packages.
+        kernels = Path(scratch) / "kernels"
+        write_kernel_spec(kernels / "python3")
+        kernel_manager = KernelManager(
+            kernel_name="python3",
+            kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]),
+        )
+        default_cwd = Path(scratch) / "cwd"
+        default_cwd.mkdir()
         client = NotebookClient(
             notebook,
+            km=kernel_manager,
             timeout=CELL_TIMEOUT_S,
-            kernel_name="python3",
             resources={"metadata": {"path": str(cwd or default_cwd)}},
             # Per-cell timings would change the file on every run.
             record_timing=False,
