@@ -10,6 +10,13 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # that tells an offline user what to do (tests of the download serve their own mirror).
 os.environ["BOTTLENECK_DATA_URL"] = "http://127.0.0.1:9"
 
+# The suite compiles far more than it computes: XLA's backend optimisations (LLVM -O2) double the
+# compile time of its many small programs and change no result beyond round-off. Subprocesses
+# inherit the flag.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
+).strip()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -57,11 +57,17 @@ def printed_text(cell: nbformat.NotebookNode) -> str:
 
 
 def output_kinds(cell: nbformat.NotebookNode) -> list[str]:
-    """Each output's type and MIME types (or stream name), e.g. ``display_data:image/png,text/plain``."""
+    """Each output's type and MIME types (or stream name), e.g. ``display_data:image/png,text/plain``.
+
+    Consecutive outputs of one stream count once: the kernel flushes stdout in as many pieces
+    as its timing gives (one ``print`` after a slow step can arrive as a second piece).
+    """
     kinds = []
     for output in cell.outputs:
         detail = output.get("name") or ",".join(sorted(output.get("data", {})))
-        kinds.append(f"{output.output_type}:{detail}")
+        kind = f"{output.output_type}:{detail}"
+        if not (output.output_type == "stream" and kinds and kinds[-1] == kind):
+            kinds.append(kind)
     return kinds
 
 
