@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import operator
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -31,3 +35,28 @@ def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
 def as_compute(x: jax.Array) -> jax.Array:
     """``x`` cast to :func:`compute_dtype` (a no-op for float32 and float64)."""
     return jnp.asarray(x).astype(compute_dtype(x))
+
+
+def require_int(name: str, value: Any, minimum: int, why: str = "") -> int:
+    """``value`` as an ``int`` >= ``minimum``; ``ValueError`` naming the option otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}{why}, got {value!r}")
+    return number
+
+
+def require_finite_number(name: str, value: Any, *, positive: bool) -> float:
+    """``value`` as a finite float, > 0 (``positive``) or >= 0; ``ValueError`` naming it."""
+    bound = "> 0" if positive else ">= 0"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}") from None
+    if not math.isfinite(number) or not (number > 0 if positive else number >= 0):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return number

@@ -1,21 +1,18 @@
 """Flax NNX modules: output heads as compositions, the mixture-of-experts dense layer, models."""
 
 from bottleneck.nn.awd_lstm import AWDLSTM
-from bottleneck.nn.heads import (
-    HEAD_NAMES,
+from bottleneck.nn.heads import OutputHead
+from bottleneck.nn.models import ContextEmbeddingModel
+from bottleneck.nn.moe import DenseMoE, dense_moe
+from bottleneck.nn.pieces import (
     NORMALIZERS,
     PLIF,
     MonotoneMLP,
     Normalizer,
-    OutputHead,
-    head_options,
-    is_mixture_preset,
-    make_head,
     param_labels,
     relu_normalizer,
 )
-from bottleneck.nn.models import ContextEmbeddingModel
-from bottleneck.nn.moe import DenseMoE, dense_moe
+from bottleneck.nn.presets import HEAD_NAMES, head_options, is_mixture_preset, make_head
 from bottleneck.nn.transformer import Transformer
 
 __all__ = [

@@ -33,13 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bottleneck.nn.heads import (
-    OutputHead,
-    is_mixture_preset,
-    make_head,
-    padded_rows_init,
-    uniform_init,
-)
+from bottleneck.nn.heads import OutputHead, padded_rows_init, uniform_init
+from bottleneck.nn.presets import is_mixture_preset, make_head
 from bottleneck.sharding import padded_vocab_size
 
 

@@ -15,17 +15,13 @@ a ``normalizer`` (a name of :data:`NORMALIZERS` or any callable ``z -> log g(z)`
 (nor ``[N, K, M]``). The head holds the maths only: on a mesh (``jax.set_mesh``) the same
 computation runs per device through :func:`bottleneck.sharding.run_on_mesh`.
 
-:func:`make_head` builds the named presets of the papers ("softmax", "sigsoftmax", "plif",
-"mos", "moss", ...) as compositions.
+The pieces live in :mod:`bottleneck.nn.pieces`; the papers' named heads ("softmax", "plif",
+"mos", "moss", ...) are compositions built by :func:`bottleneck.nn.make_head`
+(:mod:`bottleneck.nn.presets`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
-import math
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bottleneck._checks import require_finite_number, require_int
 from bottleneck.losses import (
     DEFAULT_MEMORY_BUDGET,
     check_label_range,
@@ -41,14 +38,8 @@ from bottleneck.losses import (
     target_log_probs,
 )
 from bottleneck.mixtures import mixture_log_probs
-from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
-from bottleneck.normalizers import (
-    log_normalize,
-    relu_log_scores,
-    sigmoid_log_scores,
-    sigsoftmax_log_scores,
-    softmax_log_scores,
-)
+from bottleneck.nn.pieces import HEAD_BUFFERS_PER_LOGIT, NORMALIZERS
+from bottleneck.normalizers import log_normalize
 from bottleneck.sharding import (
     VocabShard,
     padded_vocab_size,
@@ -56,31 +47,6 @@ from bottleneck.sharding import (
     split_rows_by_vocab,
     vocab_rows_metadata,
 )
-
-
-def _require_int(name: str, value: Any, minimum: int, why: str = "") -> int:
-    """``value`` as an ``int`` >= ``minimum``; ``ValueError`` naming the option otherwise."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
-    if number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}{why}, got {value!r}")
-    return number
-
-
-def _require_finite(name: str, value: Any, *, positive: bool) -> float:
-    """``value`` as a finite float, > 0 (``positive``) or >= 0; ``ValueError`` naming it."""
-    bound = "> 0" if positive else ">= 0"
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}") from None
-    if not math.isfinite(number) or not (number > 0 if positive else number >= 0):
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return number
 
 
 def uniform_init(scale: float) -> Callable[..., jax.Array]:
@@ -104,104 +70,6 @@ def padded_rows_init(init: Callable[..., jax.Array], num_rows: int) -> Callable[
         return jnp.pad(real, [(0, shape[0] - num_rows)] + [(0, 0)] * (len(shape) - 1))
 
     return padded
-
-
-# Memory of the pieces, for the chunk sizing of `OutputHead.loss`: `buffers_per_logit` is the
-# number of float32 buffers the size of the logits that a piece adds at the peak of one chunk's
-# value and gradient, measured with compiled.memory_analysis() on XLA:CPU (tests/nn/test_heads.py
-# checks that a chunk stays within its budget). The head itself holds 2 (the logits and their
-# gradient). A piece that declares nothing is measured (`measure_buffers_per_element`).
-_HEAD_BUFFERS_PER_LOGIT = 2.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Normalizer:
-    """A normalizer's elementwise log-score ``z -> log g(z)`` with its declared memory.
-
-    ``log_normalize(log_scores(z))`` is the normalizer; e.g. softmax ``z``, sigsoftmax
-    ``z + log sigma(z)`` (Kanai et al. 2018, eq. 11).
-    """
-
-    log_scores: Callable[[jax.Array], jax.Array]
-    buffers_per_logit: float
-
-    def __call__(self, z: jax.Array) -> jax.Array:
-        return self.log_scores(z)
-
-
-NORMALIZERS: dict[str, Normalizer] = {
-    "softmax": Normalizer(softmax_log_scores, 0.0),
-    "sigsoftmax": Normalizer(sigsoftmax_log_scores, 1.0),
-    "sigmoid": Normalizer(sigmoid_log_scores, 1.0),
-    "relu": Normalizer(relu_log_scores, 1.0),
-}
-
-
-def relu_normalizer(eps: float = 1e-8) -> Normalizer:
-    """Kanai's ReLU normalizer ``(relu(z) + eps) / sum (relu + eps)`` (eq. 34) with its ``eps``."""
-    eps = _require_finite("eps", eps, positive=True)
-    return Normalizer(functools.partial(relu_log_scores, eps=eps), 1.0)
-
-
-class PLIF(nnx.Module):
-    """LMS-PLIF (Ganea et al. 2019) as a module: learned slopes ``raw_slopes [K]`` and :func:`bn.plif`.
-
-    Args:
-      num_knots: ``K >= 2`` segments on ``[-bound, bound]`` (10^5 in the paper). ``bn.plif``
-        takes ``K = 1`` (an affine map), but the module refuses it: ``log_softmax`` of an
-        affine map of the logits is a softmax with a learned temperature, not the nonlinear
-        map a PLIF stands for.
-      bound: ``T``, finite and > 0.
-      noise: std (finite, >= 0) of the Gaussian noise added to the identity slopes at init.
-      rngs: NNX random streams (``params``).
-
-    The slopes are the parameter ``raw_slopes``; give them their own learning rate (0.02 in
-    the paper) with :func:`param_labels`.
-    """
-
-    buffers_per_logit = 5.5  # its gather, scatter-add and index arithmetic
-
-    def __init__(self, num_knots: int, *, bound: float = 20.0, noise: float = 0.0, rngs: nnx.Rngs):
-        num_knots = _require_int(
-            "num_knots",
-            num_knots,
-            2,
-            " (one knot makes the PLIF affine, f(z) = s z + c: a softmax with a learned "
-            "temperature, not a nonlinear map)",
-        )
-        self.bound = _require_finite("bound", bound, positive=True)
-        noise = _require_finite("noise", noise, positive=False)
-        self.raw_slopes = nnx.Param(plif_init(rngs.params(), num_knots, noise=noise))
-
-    def __call__(self, z: jax.Array) -> jax.Array:
-        return plif(z, self.raw_slopes[...], bound=self.bound)
-
-
-class MonotoneMLP(nnx.Module):
-    """Ganea's positive-weight monotone net as a module, beside :func:`bn.monotone_mlp`.
-
-    Its hidden layer costs ``[N, M, num_hidden]`` (the reason Ganea et al. moved to PLIF); a
-    head sizes its chunks for that.
-
-    Args:
-      num_hidden: ``H >= 1`` sigmoid units.
-      rngs: NNX random streams (``params``).
-    """
-
-    def __init__(self, num_hidden: int, *, rngs: nnx.Rngs):
-        self.num_hidden = _require_int("num_hidden", num_hidden, 1)
-        initial = monotone_mlp_init(rngs.params(), self.num_hidden)
-        self.names = tuple(initial)
-        for name, value in initial.items():
-            setattr(self, name, nnx.Param(value))
-
-    @property
-    def buffers_per_logit(self) -> float:
-        # Measured: 4.5 buffers per hidden unit per logit in all, the head's own 2 included.
-        return 4.5 * self.num_hidden - _HEAD_BUFFERS_PER_LOGIT
-
-    def __call__(self, z: jax.Array) -> jax.Array:
-        return monotone_mlp(z, {name: getattr(self, name)[...] for name in self.names})
 
 
 class OutputHead(nnx.Module):
@@ -276,10 +144,10 @@ class OutputHead(nnx.Module):
             raise ValueError(
                 f"in_features and vocab_size must be >= 1, got {in_features} and {vocab_size}"
             )
-        _require_finite("memory_budget", memory_budget, positive=True)  # bytes
-        num_components = _require_int("num_components", num_components, 1)
+        require_finite_number("memory_budget", memory_budget, positive=True)  # bytes
+        num_components = require_int("num_components", num_components, 1)
         if latent_features is not None:
-            latent_features = _require_int("latent_features", latent_features, 1)
+            latent_features = require_int("latent_features", latent_features, 1)
             if num_components == 1:
                 raise ValueError(
                     "latent_features applies to mixtures (num_components > 1); a plain head "
@@ -347,7 +215,7 @@ class OutputHead(nnx.Module):
         declared = [getattr(piece, "buffers_per_logit", None) for piece in pieces]
         if any(cost is None for cost in declared):
             return None
-        return _HEAD_BUFFERS_PER_LOGIT + sum(declared)
+        return HEAD_BUFFERS_PER_LOGIT + sum(declared)
 
     @property
     def buffers_per_element(self) -> float:
@@ -573,158 +441,3 @@ def _measured_buffers(head: OutputHead, dtype: Any, with_constants: bool) -> flo
             token_constants=constants,
         )
     return _MEASURED[key]
-
-
-# ---- presets ----
-
-
-@dataclasses.dataclass(frozen=True)
-class _Preset:
-    """A named composition: normalizer, pointwise module and whether it is a mixture."""
-
-    normalizer: str = "softmax"
-    pointwise: type[nnx.Module] | None = None
-    mixture: bool = False
-    defaults: tuple[tuple[str, Any], ...] = ()  # of the pointwise map's options
-
-
-_PRESETS: dict[str, _Preset] = {
-    "softmax": _Preset(),
-    "sigsoftmax": _Preset("sigsoftmax"),
-    "sigmoid": _Preset("sigmoid"),
-    "relu": _Preset("relu"),
-    "plif": _Preset(pointwise=PLIF, defaults=(("num_knots", 100_000),)),
-    "monotone_mlp": _Preset(pointwise=MonotoneMLP, defaults=(("num_hidden", 16),)),
-    "mos": _Preset(mixture=True),
-    "moss": _Preset("sigsoftmax", mixture=True),  # sigsoftmax components and prior, as Kanai
-    "mos_plif": _Preset(pointwise=PLIF, mixture=True, defaults=(("num_knots", 100_000),)),
-}
-HEAD_NAMES = tuple(_PRESETS)
-
-# The presets' option names for a piece's constructor arguments, where they differ (configs
-# and CLIs hold PLIF's noise as "plif_noise").
-_OPTION_NAMES = {"noise": "plif_noise"}
-_CONSTRUCTOR_NAMES = {v: k for k, v in _OPTION_NAMES.items()}
-_MIXTURE_OPTIONS = ("num_components", "latent_features")
-
-
-def _keyword_options(callable_: Callable[..., Any]) -> tuple[str, ...]:
-    """Keyword arguments of ``callable_`` (rngs excluded) with their preset names."""
-    parameters = inspect.signature(callable_).parameters.items()
-    return tuple(
-        _OPTION_NAMES.get(name, name)
-        for name, parameter in parameters
-        if name not in ("self", "rngs", "in_features", "vocab_size")
-        and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
-    )
-
-
-_HEAD_OPTIONS = tuple(
-    name
-    for name in _keyword_options(OutputHead.__init__)
-    if name not in ("pointwise", "normalizer", *_MIXTURE_OPTIONS)
-)
-
-
-def _preset_options(name: str) -> tuple[str, ...]:
-    """Options a preset takes beyond the head's common ones."""
-    preset = _PRESETS[name]
-    options = _keyword_options(preset.pointwise.__init__) if preset.pointwise is not None else ()
-    if preset.normalizer == "relu":
-        options += _keyword_options(relu_normalizer)
-    if preset.mixture:
-        options += _MIXTURE_OPTIONS
-    return options
-
-
-def _check_preset_name(name: str) -> _Preset:
-    if name not in _PRESETS:
-        raise ValueError(f"unknown head {name!r}; choose one of {', '.join(HEAD_NAMES)}")
-    return _PRESETS[name]
-
-
-def make_head(
-    name: str, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, **options: Any
-) -> OutputHead:
-    """Builds a named preset (for CLIs): one of :data:`HEAD_NAMES`, each an :class:`OutputHead`.
-
-    "softmax", "sigsoftmax", "sigmoid", "relu" (option ``eps``): a normalizer; "plif"
-    (``num_knots``, ``bound``, ``plif_noise``) and "monotone_mlp" (``num_hidden``): a pointwise
-    map under softmax; "mos", "moss" (sigsoftmax components and prior, as Kanai et al.),
-    "mos_plif": mixtures (``num_components`` >= 2, default 15; ``latent_features``). Every
-    preset takes :class:`OutputHead`'s common options (``tied_embedding``, ``use_bias``,
-    ``memory_budget``, ``param_dtype``); any other option is a ``ValueError`` that lists those
-    it does take. A seed gives the same parameters as the heads of bottleneck 0.1.0 did.
-    """
-    preset = _check_preset_name(name)
-    accepted = _HEAD_OPTIONS + _preset_options(name)
-    refused = sorted(set(options) - set(accepted))
-    if refused:
-        raise ValueError(
-            f"head {name!r} takes no option {', '.join(refused)}; it takes {', '.join(accepted)}"
-        )
-    head_options = {k: v for k, v in options.items() if k in _HEAD_OPTIONS}
-    mixture_options = {k: v for k, v in options.items() if k in _MIXTURE_OPTIONS}
-    piece_options = dict(preset.defaults) | {
-        _CONSTRUCTOR_NAMES.get(k, k): v
-        for k, v in options.items()
-        if k not in _HEAD_OPTIONS and k not in _MIXTURE_OPTIONS
-    }
-    if preset.mixture:
-        mixture_options.setdefault("num_components", 15)
-        _require_int(
-            "num_components",
-            mixture_options["num_components"],
-            2,
-            f" for the mixture preset {name!r} (one component is a plain head)",
-        )
-    if preset.pointwise is not None:  # a bad option fails before any parameter is drawn
-        inspect.signature(preset.pointwise.__init__).bind(None, **piece_options, rngs=rngs)
-    normalizer = (
-        relu_normalizer(**piece_options) if preset.normalizer == "relu" else preset.normalizer
-    )
-    head = OutputHead(
-        in_features, vocab_size, rngs=rngs, normalizer=normalizer, **mixture_options,
-        **head_options,
-    )  # fmt: skip
-    if preset.pointwise is not None:
-        # Drawn after the head's parameters, the order the heads of bottleneck 0.1.0 drew them
-        # in, so that a seed gives the same parameters as before heads became compositions.
-        head.pointwise = nnx.data(preset.pointwise(**piece_options, rngs=rngs))
-    return head
-
-
-def head_options(name: str, **candidates: Any) -> dict[str, Any]:
-    """The subset of ``candidates`` that preset ``name`` takes beyond the common options.
-
-    For configs that hold every preset's options.
-
-    Example:
-      >>> head_options("mos_plif", num_knots=10, num_components=4, num_hidden=8, seed=0)
-      {'num_knots': 10, 'num_components': 4}
-    """
-    _check_preset_name(name)
-    accepted = _preset_options(name)
-    return {key: value for key, value in candidates.items() if key in accepted}
-
-
-def is_mixture_preset(name: str) -> bool:
-    """Whether preset ``name`` is a mixture (its decoder width is ``latent_features``)."""
-    return _check_preset_name(name).mixture
-
-
-PLIF_SLOPES_LABEL = "plif_slopes"
-
-
-def param_labels(params: Any) -> Any:
-    """Optax labels for a parameter pytree: ``"plif_slopes"`` for PLIF slopes, else ``"default"``.
-
-    For ``optax.multi_transform`` so the slopes get their own learning rate (0.02 in Ganea et
-    al.), e.g. ``optax.multi_transform({"default": sgd, "plif_slopes": adam}, param_labels)``.
-    """
-
-    def label(path: tuple[Any, ...], _: Any) -> str:
-        names = {getattr(entry, "key", getattr(entry, "name", None)) for entry in path}
-        return PLIF_SLOPES_LABEL if "raw_slopes" in names else "default"
-
-    return jax.tree_util.tree_map_with_path(label, params)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bottleneck.nn.heads import OutputHead, make_head
+from bottleneck.nn.heads import OutputHead
+from bottleneck.nn.presets import make_head
 from bottleneck.sharding import DATA, axis_size, context_mesh
 
 

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bottleneck.nn.awd_lstm import inverted_dropout_masks
-from bottleneck.nn.heads import OutputHead, is_mixture_preset, make_head, padded_rows_init
+from bottleneck.nn.heads import OutputHead, padded_rows_init
+from bottleneck.nn.presets import is_mixture_preset, make_head
 from bottleneck.sharding import padded_vocab_size
 
 POSITION_ENCODINGS = ("rope", "learned")

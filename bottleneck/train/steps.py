@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from bottleneck.nn.heads import PLIF_SLOPES_LABEL, param_labels
+from bottleneck.nn.pieces import PLIF_SLOPES_LABEL, param_labels
 
 
 def make_optimizer(

@@ -1,0 +1,154 @@
+"""Named heads for CLIs and configs: the papers' output layers as compositions of pieces.
+
+Each preset of :func:`make_head` is an :class:`~bottleneck.nn.OutputHead` with a normalizer, an
+optional pointwise module and an optional mixture; its options are the constructor arguments of
+those pieces, found by signature, so a new piece needs no registry entry here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from bottleneck._checks import require_int
+from bottleneck.nn.heads import OutputHead
+from bottleneck.nn.pieces import PLIF, MonotoneMLP, relu_normalizer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Preset:
+    """A named composition: normalizer, pointwise module and whether it is a mixture."""
+
+    normalizer: str = "softmax"
+    pointwise: type[nnx.Module] | None = None
+    mixture: bool = False
+    defaults: tuple[tuple[str, Any], ...] = ()  # of the pointwise map's options
+
+
+_PRESETS: dict[str, _Preset] = {
+    "softmax": _Preset(),
+    "sigsoftmax": _Preset("sigsoftmax"),
+    "sigmoid": _Preset("sigmoid"),
+    "relu": _Preset("relu"),
+    "plif": _Preset(pointwise=PLIF, defaults=(("num_knots", 100_000),)),
+    "monotone_mlp": _Preset(pointwise=MonotoneMLP, defaults=(("num_hidden", 16),)),
+    "mos": _Preset(mixture=True),
+    "moss": _Preset("sigsoftmax", mixture=True),  # sigsoftmax components and prior, as Kanai
+    "mos_plif": _Preset(pointwise=PLIF, mixture=True, defaults=(("num_knots", 100_000),)),
+}
+HEAD_NAMES = tuple(_PRESETS)
+
+# The presets' option names for a piece's constructor arguments, where they differ (configs
+# and CLIs hold PLIF's noise as "plif_noise").
+_OPTION_NAMES = {"noise": "plif_noise"}
+_CONSTRUCTOR_NAMES = {v: k for k, v in _OPTION_NAMES.items()}
+_MIXTURE_OPTIONS = ("num_components", "latent_features")
+
+
+def _keyword_options(callable_: Callable[..., Any]) -> tuple[str, ...]:
+    """Keyword arguments of ``callable_`` (rngs excluded) with their preset names."""
+    parameters = inspect.signature(callable_).parameters.items()
+    return tuple(
+        _OPTION_NAMES.get(name, name)
+        for name, parameter in parameters
+        if name not in ("self", "rngs", "in_features", "vocab_size")
+        and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+    )
+
+
+_HEAD_OPTIONS = tuple(
+    name
+    for name in _keyword_options(OutputHead.__init__)
+    if name not in ("pointwise", "normalizer", *_MIXTURE_OPTIONS)
+)
+
+
+def _preset_options(name: str) -> tuple[str, ...]:
+    """Options a preset takes beyond the head's common ones."""
+    preset = _PRESETS[name]
+    options = _keyword_options(preset.pointwise.__init__) if preset.pointwise is not None else ()
+    if preset.normalizer == "relu":
+        options += _keyword_options(relu_normalizer)
+    if preset.mixture:
+        options += _MIXTURE_OPTIONS
+    return options
+
+
+def _check_preset_name(name: str) -> _Preset:
+    if name not in _PRESETS:
+        raise ValueError(f"unknown head {name!r}; choose one of {', '.join(HEAD_NAMES)}")
+    return _PRESETS[name]
+
+
+def make_head(
+    name: str, in_features: int, vocab_size: int, *, rngs: nnx.Rngs, **options: Any
+) -> OutputHead:
+    """Builds a named preset (for CLIs): one of :data:`HEAD_NAMES`, each an :class:`OutputHead`.
+
+    "softmax", "sigsoftmax", "sigmoid", "relu" (option ``eps``): a normalizer; "plif"
+    (``num_knots``, ``bound``, ``plif_noise``) and "monotone_mlp" (``num_hidden``): a pointwise
+    map under softmax; "mos", "moss" (sigsoftmax components and prior, as Kanai et al.),
+    "mos_plif": mixtures (``num_components`` >= 2, default 15; ``latent_features``). Every
+    preset takes :class:`OutputHead`'s common options (``tied_embedding``, ``use_bias``,
+    ``memory_budget``, ``param_dtype``); any other option is a ``ValueError`` that lists those
+    it does take. A seed gives the same parameters as the heads of bottleneck 0.1.0 did.
+    """
+    preset = _check_preset_name(name)
+    accepted = _HEAD_OPTIONS + _preset_options(name)
+    refused = sorted(set(options) - set(accepted))
+    if refused:
+        raise ValueError(
+            f"head {name!r} takes no option {', '.join(refused)}; it takes {', '.join(accepted)}"
+        )
+    head_options = {k: v for k, v in options.items() if k in _HEAD_OPTIONS}
+    mixture_options = {k: v for k, v in options.items() if k in _MIXTURE_OPTIONS}
+    piece_options = dict(preset.defaults) | {
+        _CONSTRUCTOR_NAMES.get(k, k): v
+        for k, v in options.items()
+        if k not in _HEAD_OPTIONS and k not in _MIXTURE_OPTIONS
+    }
+    if preset.mixture:
+        mixture_options.setdefault("num_components", 15)
+        require_int(
+            "num_components",
+            mixture_options["num_components"],
+            2,
+            f" for the mixture preset {name!r} (one component is a plain head)",
+        )
+    if preset.pointwise is not None:  # a bad option fails before any parameter is drawn
+        inspect.signature(preset.pointwise.__init__).bind(None, **piece_options, rngs=rngs)
+    normalizer = (
+        relu_normalizer(**piece_options) if preset.normalizer == "relu" else preset.normalizer
+    )
+    head = OutputHead(
+        in_features, vocab_size, rngs=rngs, normalizer=normalizer, **mixture_options,
+        **head_options,
+    )  # fmt: skip
+    if preset.pointwise is not None:
+        # Drawn after the head's parameters, the order the heads of bottleneck 0.1.0 drew them
+        # in, so that a seed gives the same parameters as before heads became compositions.
+        head.pointwise = nnx.data(preset.pointwise(**piece_options, rngs=rngs))
+    return head
+
+
+def head_options(name: str, **candidates: Any) -> dict[str, Any]:
+    """The subset of ``candidates`` that preset ``name`` takes beyond the common options.
+
+    For configs that hold every preset's options.
+
+    Example:
+      >>> head_options("mos_plif", num_knots=10, num_components=4, num_hidden=8, seed=0)
+      {'num_knots': 10, 'num_components': 4}
+    """
+    _check_preset_name(name)
+    accepted = _preset_options(name)
+    return {key: value for key, value in candidates.items() if key in accepted}
+
+
+def is_mixture_preset(name: str) -> bool:
+    """Whether preset ``name`` is a mixture (its decoder width is ``latent_features``)."""
+    return _check_preset_name(name).mixture
