@@ -20,3 +20,23 @@ os.environ["XLA_FLAGS"] = " ".join(
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+# Files that hold one long fixture or subprocess (minutes on 2 cores) start first, so that under
+# pytest-xdist (--dist loadfile) they overlap the many short files instead of ending the run.
+LONG_FIRST = (
+    "test_sharding.py",
+    "test_lm_study.py",
+    "test_notebook.py",
+    "test_language_model.py",
+    "test_synthetic_experiment.py",
+    "test_heads.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = item.path.name
+        return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the order within each file is kept
