@@ -15,9 +15,20 @@ All candidates are timed interleaved in one process (``benchmarks/_timing.py``);
 head is the median over repetitions of its step time over softmax's in the same repetition.
 Targets (Ganea et al.'s slides: PLIF +17% per epoch, MoS 2.5x): PLIF <= 1.10x, MoS <= 2.5x.
 
+Timed in the same interleaved repetitions, for the softmax step (issue 13):
+
+* ``floor``: the step's own matmuls alone (the same GEMM shapes and operand layouts, forward and
+  backward: LSTM input projections, the 70 recurrent products per layer each way, dW / dx, the
+  tied decoder) as one jitted function; ``step / floor`` is how far the step is from them;
+* ``softmax_scan_autodiff``: the same step with the previous ``lstm`` (below, differentiated by
+  autodiff through ``jax.lax.scan``): the before/after comparison of the custom-VJP LSTM;
+* ``torch``: a PyTorch AWD-LSTM step (``benchmarks/_torch_awd_lstm.py``) when ``torch`` is
+  installed (``pip install -e ".[bench]"``), with ``torch.set_num_threads(--torch-threads)``.
+
 Run from the repository root (a few minutes on a GPU; ``--quick`` ~5 minutes on 2 CPU cores):
 
-    python benchmarks/lm_step.py [--quick] [--heads softmax,plif] [--out benchmarks/results/lm_step.json]
+    python benchmarks/lm_step.py [--quick | --repeats N] [--heads softmax,plif] [--torch-threads 1]
+        [--out benchmarks/results/lm_step.json]
 
 ``--quick`` times 3 repetitions instead of 10. The markdown table is printed and saved next to
 the JSON file with the suffix ``.md``.
@@ -26,10 +37,14 @@ the JSON file with the suffix ``.md``.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from _timing import (
     machine_info,
@@ -42,8 +57,9 @@ from _timing import (
 from flax import nnx
 from tqdm import tqdm
 
+import bottleneck.nn.awd_lstm as awd_lstm
 from bottleneck.data import BpttWindow
-from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel
+from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel, LSTMState
 from bottleneck.train import make_optimizer
 from bottleneck.train.lm import LanguageModelTrainer, pad_window
 
@@ -60,6 +76,105 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "mos_awd": ("mos", {**AWD, "num_components": 15}),
 }
 TARGETS = {"plif": 1.10, "mos": 2.5}
+
+
+def lstm_scan_autodiff(
+    w_ih: jax.Array,
+    w_hh: jax.Array,
+    bias: jax.Array,
+    inputs: jax.Array,
+    state: LSTMState,
+    length: jax.Array | int | None = None,
+    unroll: int = 1,
+) -> tuple[jax.Array, LSTMState]:
+    """The baseline ("before"): ``bottleneck.nn.awd_lstm.lstm`` as it was before its custom VJP
+    (commit a7b1767), differentiated by autodiff through the scan, which accumulates dW_hh with
+    one small product per step inside the reverse loop."""
+    input_gates = jnp.einsum("tbi,gi->tbg", inputs, w_ih) + bias
+    steps = jnp.arange(inputs.shape[0], dtype=jnp.int32)
+
+    def step(carry: LSTMState, xs: tuple[jax.Array, jax.Array]) -> tuple[LSTMState, jax.Array]:
+        gates_x, t = xs
+        gates = gates_x + carry.h @ w_hh.T
+        i, f, g, o = jnp.split(gates, 4, axis=-1)
+        c = jax.nn.sigmoid(f) * carry.c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        if length is not None:
+            real = t < length
+            h, c = jnp.where(real, h, carry.h), jnp.where(real, c, carry.c)
+        return LSTMState(h, c), h
+
+    final, outputs = jax.lax.scan(step, state, (input_gates, steps), unroll=unroll)
+    return outputs, final
+
+
+@contextlib.contextmanager
+def baseline_lstm() -> Iterator[None]:
+    """Traces the model with :func:`lstm_scan_autodiff` (``LSTMLayer`` looks ``lstm`` up when
+    it is traced; a compiled step keeps what it was traced with)."""
+    new = awd_lstm.lstm
+    awd_lstm.lstm = lstm_scan_autodiff
+    try:
+        yield
+    finally:
+        awd_lstm.lstm = new
+
+
+def floor_call(options: dict[str, Any]) -> Callable[[], Any]:
+    """The softmax step's matmuls alone, forward and backward, as one jitted function.
+
+    The same GEMM shapes and operand layouts as the step: per layer the input projection, the
+    T recurrent products ``h W_hh^T`` (a loop, as they depend on each other), the T products
+    ``dgates W_hh`` of the backward loop (on a transposed copy, as ``lstm``'s VJP), ``dW_hh``,
+    ``dW_ih`` and ``dx`` over all steps; the tied decoder's logits, ``dh`` and ``dE``. Only a
+    slice and an add join them, so its time is what the step would take with free elementwise
+    work, free randomness and a free optimizer.
+    """
+    sizes = [options["emsize"]] + [options["nhid"]] * (options["nlayers"] - 1)
+    sizes.append(options["emsize"])
+    keys = iter(jax.random.split(jax.random.key(0), 4 * len(sizes)))
+
+    def uniform(shape: tuple[int, ...], scale: float) -> jax.Array:
+        return jax.random.uniform(next(keys), shape, jnp.float32, -scale, scale)
+
+    layers = [
+        (uniform((4 * h, i), h**-0.5), uniform((4 * h, h), h**-0.5))
+        for i, h in zip(sizes[:-1], sizes[1:], strict=True)
+    ]
+    table = uniform((VOCAB, options["emsize"]), 0.1)
+    x = uniform((BPTT, BATCH, options["emsize"]), 1.0)
+    d_logits = uniform((BPTT * BATCH, VOCAB), 1e-4)
+
+    def matmuls(layers: Any, table: jax.Array, x: jax.Array, d_logits: jax.Array) -> Any:
+        results = []
+        for w_ih, w_hh in layers:
+            hidden = w_hh.shape[1]
+            gates = jnp.einsum("tbi,gi->tbg", x, w_ih)
+
+            def forward(h: jax.Array, g: jax.Array, w_hh: jax.Array = w_hh) -> Any:
+                h = (g + h @ w_hh.T)[:, : h.shape[1]]
+                return h, h
+
+            _, hs = jax.lax.scan(forward, jnp.zeros((BATCH, hidden)), gates)
+            w_hh_t = jax.lax.optimization_barrier(w_hh.T)
+
+            def backward(dh: jax.Array, g: jax.Array, w_hh_t: jax.Array = w_hh_t) -> Any:
+                return dh + g @ w_hh_t.T, None
+
+            dh, _ = jax.lax.scan(backward, jnp.zeros((BATCH, hidden)), gates, reverse=True)
+            results += [
+                dh,
+                jnp.einsum("tbg,tbh->gh", gates, hs),
+                jnp.einsum("tbg,tbi->gi", gates, x),
+                jnp.einsum("tbg,gi->tbi", gates, w_ih),
+            ]
+            x = hs
+        flat = x.reshape(BPTT * BATCH, -1)
+        results += [flat @ table.T, d_logits @ table, d_logits.T @ flat]
+        return results
+
+    compiled = jax.jit(matmuls)
+    return lambda: compiled(layers, table, x, d_logits)
 
 
 def step_call(name: str, window: Any) -> Callable[[], Any]:
@@ -87,10 +202,14 @@ def step_call(name: str, window: Any) -> Callable[[], Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 repetitions instead of 10")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions")
     parser.add_argument(
         "--heads",
         default=",".join(CANDIDATES),
         help="comma-separated subset of " + ", ".join(CANDIDATES),
+    )
+    parser.add_argument(
+        "--torch-threads", type=int, default=1, help="torch.set_num_threads of the reference"
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lm_step.json"))
     args = parser.parse_args()
@@ -100,13 +219,33 @@ def main() -> None:
         parser.error(f"unknown head(s) {unknown}; choose from {', '.join(CANDIDATES)}")
     if "softmax" not in names:
         names.insert(0, "softmax")  # the reference of every ratio
-    repeats = 3 if args.quick else 10
+    repeats = args.repeats or (3 if args.quick else 10)
 
     ids = np.random.default_rng(0).integers(0, VOCAB, (BPTT + 1, BATCH)).astype(np.int32)
     window = pad_window(BpttWindow(ids[:-1], ids[1:], BPTT, 1.0), BPTT)
     calls = {name: step_call(name, window) for name in names}
+    baseline = step_call("softmax", window)
+
+    def baseline_step() -> Any:
+        with baseline_lstm():
+            return baseline()
+
+    calls["softmax_scan_autodiff"] = baseline_step
+    calls["floor"] = floor_call(AWD)
+    torch_note = "not installed (pip install -e '.[bench]')"
+    try:
+        import torch
+        from _torch_awd_lstm import torch_step_call
+    except ImportError:
+        pass
+    else:
+        torch.set_num_threads(args.torch_threads)
+        torch_note = f"torch {torch.__version__}, torch.set_num_threads({args.torch_threads})"
+        calls["torch"] = torch_step_call(ids[:-1], ids[1:], vocab_size=VOCAB, **AWD)
     progress = tqdm(total=len(calls) * (repeats + 1), desc="timing", unit="step")
+    load_before = os.getloadavg()
     times = time_interleaved(calls, repeats, on_call=progress.update)
+    load_after = os.getloadavg()
     progress.close()
 
     median_ms = medians(times)
@@ -137,13 +276,37 @@ def main() -> None:
         ]
         for name, result in results.items()
     ]  # fmt: skip
+    softmax = times["softmax"]
+    comparisons = {
+        "softmax_scan_autodiff": (
+            "softmax step, LSTM by autodiff through the scan (before)",
+            median_ratio(times["softmax_scan_autodiff"], softmax),
+        ),
+        "floor": ("the softmax step's matmuls alone", median_ratio(times["floor"], softmax)),
+    }
+    if "torch" in times:
+        comparisons["torch"] = (
+            f"PyTorch AWD-LSTM step ({torch_note})",
+            median_ratio(times["torch"], softmax),
+        )
     table = markdown_table(header, rows)
+    table += "\n" + markdown_table(
+        ["vs", "what", "ms", "softmax step / it", "it / softmax step"],
+        [
+            [name, what, median_ms[name], f"{1.0 / ratio:.2f}", f"{ratio:.2f}"]
+            for name, (what, ratio) in comparisons.items()
+        ],
+    )
+    load = f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min)"
+    table += f"\n{os.cpu_count()} CPUs, {load}\n"
     print(table, end="")
     write_results(
         args.out,
         {
             "benchmark": "lm_step",
             "machine": machine_info(),
+            "load_average_before": load_before,
+            "load_average_after": load_after,
             "vocab_size": VOCAB,
             "batch_size": BATCH,
             "bptt": BPTT,
@@ -152,6 +315,16 @@ def main() -> None:
             "AR/TAR, backward, clip 0.25, SGD lr 30 + weight decay 1.2e-6",
             "ratio": "median over repetitions of step_ms / softmax step_ms (same repetition)",
             "results": results,
+            "softmax_step_vs": {
+                name: {
+                    "what": what,
+                    "step_ms": median_ms[name],
+                    "it_over_softmax_step": ratio,
+                    "times_ms": times[name],
+                }
+                for name, (what, ratio) in comparisons.items()
+            },
+            "torch": torch_note,
         },
         table,
     )

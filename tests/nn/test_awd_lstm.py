@@ -15,9 +15,11 @@ import bottleneck as bn
 from bottleneck import nn
 from bottleneck.nn.awd_lstm import (
     AWDLSTM,
+    LSTMState,
     embed,
     inverted_dropout_masks,
     locked_dropout,
+    lstm,
 )
 
 V, E, H, T, B = 30, 6, 10, 7, 3
@@ -63,6 +65,85 @@ def dropout_masks(model, key):
 
 def tokens(shape=(T, B), seed=1):
     return jax.random.randint(jax.random.key(seed), shape, 0, V)
+
+
+def naive_lstm(w_ih, w_hh, bias, inputs, state, length=None):
+    """The LSTM written step by step, differentiated by plain autodiff through the scan."""
+
+    def step(carry, xs):
+        x, t = xs
+        i, f, g, o = jnp.split(x @ w_ih.T + carry.h @ w_hh.T + bias, 4, axis=-1)
+        c = jax.nn.sigmoid(f) * carry.c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        if length is not None:
+            h, c = jnp.where(t < length, h, carry.h), jnp.where(t < length, c, carry.c)
+        return LSTMState(h, c), h
+
+    final, outputs = jax.lax.scan(step, state, (inputs, jnp.arange(inputs.shape[0])))
+    return outputs, final
+
+
+def lstm_problem(seed=0, steps=6, batch=2, features=3, hidden=4):
+    keys = jax.random.split(jax.random.key(seed), 8)
+    normal = lambda i, shape: jax.random.normal(keys[i], shape)  # noqa: E731
+    args = (
+        normal(0, (4 * hidden, features)),
+        normal(1, (4 * hidden, hidden)),
+        normal(2, (4 * hidden,)),
+        normal(3, (steps, batch, features)),
+        LSTMState(normal(4, (batch, hidden)), normal(5, (batch, hidden))),
+    )
+    # Cotangents on every output (all steps' h, final h and c), so every gradient path counts.
+    weights = (normal(6, (steps, batch, hidden)), normal(7, (2, batch, hidden)))
+    return args, weights
+
+
+def weighted_sum(fn, weights, length):
+    def loss(*args):
+        outputs, final = fn(*args, length=length)
+        return (
+            jnp.sum(outputs * weights[0])
+            + jnp.sum(final.h * weights[1][0])
+            + jnp.sum(final.c * weights[1][1])
+        )
+
+    return loss
+
+
+@pytest.mark.parametrize("length", [None, 4, 0, 6])
+def test_lstm_values_and_all_gradients_equal_autodiff_through_a_naive_scan(length):
+    args, weights = lstm_problem()
+    argnums = tuple(range(5))  # w_ih, w_hh, bias, inputs, initial state (h and c)
+    length = None if length is None else jnp.int32(length)  # traced under jit, as in training
+    got = jax.jit(jax.value_and_grad(weighted_sum(lstm, weights, length), argnums))(*args)
+    want = jax.value_and_grad(weighted_sum(naive_lstm, weights, length), argnums)(*args)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(
+        jax.jit(lambda *a: lstm(*a, length=length))(*args),
+        naive_lstm(*args, length=length),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    if length is not None and int(length) < 6:  # padding steps carry the state, take no gradient
+        outputs, final = lstm(*args, length=length)
+        np.testing.assert_array_equal(
+            outputs[int(length) :], jnp.broadcast_to(final.h, (6 - int(length), 2, 4))
+        )
+
+
+def test_lstm_gradients_under_vmap_over_sequences_with_their_own_lengths():
+    problems = [lstm_problem(seed) for seed in range(3)]
+    args = jax.tree.map(lambda *xs: jnp.stack(xs), *[p[0] for p in problems])
+    weights = jax.tree.map(lambda *xs: jnp.stack(xs), *[p[1] for p in problems])
+    lengths = jnp.array([6, 2, 0], jnp.int32)
+
+    def grads(fn):
+        def one(args, weights, length):
+            return jax.grad(weighted_sum(fn, weights, length), tuple(range(5)))(*args)
+
+        return jax.jit(jax.vmap(one))(args, weights, lengths)
+
+    chex.assert_trees_all_close(grads(lstm), grads(naive_lstm), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["model", "mos_model"])
