@@ -41,7 +41,12 @@ import language_model  # noqa: E402
 
 import bottleneck as bn  # noqa: E402
 from bottleneck.data import EOS, Vocabulary  # noqa: E402
-from bottleneck.train import UsageError, config_from_jsonable, parse_config, to_jsonable  # noqa: E402
+from bottleneck.train import (  # noqa: E402
+    UsageError,
+    config_from_jsonable,
+    parse_config,
+    to_jsonable,
+)
 from bottleneck.train.checkpoint import CheckpointStore  # noqa: E402
 from bottleneck.train.run_loop import VOCABULARY_FILE  # noqa: E402
 

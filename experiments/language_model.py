@@ -11,7 +11,8 @@ takes any head (``--head``) of bottleneck.nn.HEAD_NAMES: softmax, sigsoftmax, th
 ReLU normalizers, PLIF, the monotone MLP, MoS (Yang et al. 2018), MoSS, MoS + PLIF.
 
     python experiments/language_model.py --preset smoke --out_dir /tmp/lm       # seconds
-    python experiments/language_model.py --preset transformer-cpu --head mos --data_dir ../shared/data
+    python experiments/language_model.py --preset transformer-cpu --head mos \\
+        --data_dir ../shared/data
     python experiments/language_model.py --preset cpu-small --data_dir ../shared/data
     python experiments/language_model.py --preset paper-ptb --head sigsoftmax --out_dir runs/ptb
     python experiments/language_model.py --preset paper-ptb --head sigsoftmax \\
@@ -24,13 +25,15 @@ This file is configuration and wiring. Flags come in groups, one per part of :cl
 ``--training.*``, ``--evaluation.*``), each also under its short name (``--lr`` is
 ``--optimizer.lr``) where that is unique (``tie_weights`` is not: ``--awd_lstm.tie_weights``,
 ``--transformer.tie_weights``); ``--help`` lists them and the flags each preset sets. Both
-models see the same data: the AWD-LSTM's variable-length training windows, the same evaluation
-windows. The run (epochs, NT-ASGD, ``--finetune_from``'s
-averaging stage, ``--patience``, checkpoints every epoch and on SIGINT / SIGTERM, resuming by
-rerunning the same command, the final and ``--dynamic_eval`` evaluation, the files written to
-``--out_dir``) is :mod:`bottleneck.train.run_loop`'s; its docstring says what it does. A resumed
-run may change only the fields in ``RESUMABLE_CHANGES`` (for AdamW not ``--epochs``, which sets
-its schedule's length) and the other model's group.
+models see the same data: the AWD-LSTM's variable-length training windows (for the stateless
+Transformer, window boundaries that move every epoch vary the context each token is trained
+with; ``--max_len`` must cover the longest, and each step is scaled by ``seq_len / bptt`` for
+AdamW as for SGD) and the same evaluation windows. The run (epochs, NT-ASGD,
+``--finetune_from``'s averaging stage, ``--patience``, checkpoints every epoch and on SIGINT /
+SIGTERM, resuming by rerunning the same command, the final and ``--dynamic_eval`` evaluation,
+the files written to ``--out_dir``) is :mod:`bottleneck.train.run_loop`'s; its docstring says
+what it does. A resumed run may change only the fields in ``RESUMABLE_CHANGES`` (for AdamW not
+``--epochs``, which sets its schedule's length) and the other model's group.
 
 ``--mesh data=4,vocab=2`` (default: every device on ``data``) shards the batch (``--batch_size``
 must divide) and splits the head's decoder, the tied embedding and the normalizers over
@@ -113,7 +116,7 @@ class AWDLSTMConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """The decoder-only Transformer (GPT-2 style; --model transformer): sizes, positions, dropouts."""
+    """The decoder-only Transformer (GPT-2 style; --model transformer): sizes, norm, dropouts."""
 
     d_model: int = 256
     num_layers: int = 4
@@ -210,7 +213,7 @@ class Config:
 
     def _validate_transformer(self) -> None:
         if self.optimizer.name == "sgd":
-            # The defaults are the AWD-LSTM's (SGD at lr 30), which a Transformer does not train with.
+            # The defaults are the AWD-LSTM's (SGD at lr 30): no recipe for a Transformer.
             raise ValueError(
                 "model transformer trains with --optimizer adamw (or adam), not sgd / NT-ASGD; "
                 "start from --preset transformer-cpu, transformer-gpu or transformer-smoke"
@@ -294,8 +297,8 @@ _SMOKE = {
 }
 # The Transformer's optimizer (GPT-2 practice): AdamW, clipping at 1, decoupled weight decay 0.1
 # of the matrices, linear warmup then cosine decay. PLIF's slopes follow the same schedule at the
-# same rate: Adam's steps are about the rate whatever the gradient's scale, so the SGD-era 0.02
-# of Ganea et al. would be ten times the other parameters' step.
+# same rate: an Adam step is about the rate whatever the gradient's scale, so Ganea et al.'s 0.02
+# (set beside the AWD-LSTM's SGD at 30) would move them 10-40 times as fast as the rest here.
 _TRANSFORMER = {
     "model": "transformer",
     "optimizer.name": "adamw",
@@ -399,8 +402,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "evaluation.dynamic_eval_segment": 64,
         "evaluation.dynamic_eval_max_batches": 50,
     },
-    # A GPU-sized starting point (not run here, not tuned): GPT-2-small-like width, PTB-sized
-    # regularisation (dropout 0.3; Transformer-XL's PTB model uses similar), early stopping.
+    # A GPU-sized starting point (not run here, not tuned): GPT-2-small-like width, strong
+    # dropout (PTB's million training tokens are few for 20M parameters), early stopping.
     "transformer-gpu": {
         **_TRANSFORMER,
         "transformer.d_model": 512,

@@ -331,3 +331,7 @@ def test_adamw_runs_refuse_another_epoch_budget_on_resuming(transformer_runs, ca
         language_model.main([*MIXTURE, "--epochs", "4", "--out_dir", str(out)])
     assert exit_info.value.code == 2
     assert "different config (training.epochs: 3 -> 4)" in capsys.readouterr().err
+    # The other model's group may change: it builds nothing.
+    config = parse_config(language_model.Config, language_model.PRESETS, MIXTURE)
+    assert "awd_lstm" in config.resumable_changes and "transformer" not in config.resumable_changes
+    assert "training.epochs" in language_model.Config().resumable_changes  # SGD: no schedule
