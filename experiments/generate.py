@@ -5,11 +5,12 @@
         --temperature 0.8 --top_p 0.95 --num_samples 3 --seed 1
 
 The model is rebuilt as the run built it: its config.json goes through language_model.py's own
-``Config``, ``load_data`` / ``shrink_corpus`` (the vocabulary: same corpus files, same
---vocab_size) and ``build_model``, and the run's best parameters (``best_params`` of its latest
+``Config`` and ``build_model`` (either model family: AWD-LSTM or Transformer, any head), the
+vocabulary is the run's vocab.txt, and the run's best parameters (``best_params`` of its latest
 checkpoint) are loaded into it. Sampling is :func:`bottleneck.generate`: incremental decoding
-with temperature, top-k (``--top_k 1``: greedy) and top-p. Any model family the run's
-``build_model`` makes works, as long as it has the decoding interface (AWD-LSTM, Transformer).
+(the AWD-LSTM's recurrent state, the Transformer's key-value cache) with temperature, top-k
+(``--top_k 1``: greedy) and top-p. A Transformer's prompt and samples together may not exceed
+its ``max_len``.
 
 The prompt is split on white space; every word must be in the run's vocabulary (PTB text is
 lower case, numbers are ``N``, rare words ``<unk>``), otherwise the script names the missing
@@ -18,8 +19,9 @@ conditioned on ``<eos>``).
 
 Output: the samples, each prompt followed by its continuation with ``<eos>`` shown as a line
 break, on stdout and in RUN/samples/<UTC time>_seed<S>.txt (a header line with the settings, then
-the samples). Nothing else in the run folder changes, except that a run whose prepared corpus
-was deleted has it prepared again under RUN/tfds, as language_model.py would.
+the samples). Nothing else in the run folder changes, except that a run without vocab.txt (made
+before the run loop wrote it) reads its corpus again as language_model.py did, preparing it
+under RUN/tfds if that was deleted.
 """
 
 from __future__ import annotations
@@ -38,10 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import language_model  # noqa: E402
 
 import bottleneck as bn  # noqa: E402
-from bottleneck.data import EOS  # noqa: E402
-from bottleneck.data.corpora import Vocabulary  # noqa: E402
-from bottleneck.train import parse_config, to_jsonable  # noqa: E402
+from bottleneck.data import EOS, Vocabulary  # noqa: E402
+from bottleneck.train import (  # noqa: E402
+    UsageError,
+    config_from_jsonable,
+    parse_config,
+    to_jsonable,
+)
 from bottleneck.train.checkpoint import CheckpointStore  # noqa: E402
+from bottleneck.train.run_loop import VOCABULARY_FILE  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +86,6 @@ class Config:
             raise ValueError(f"top_p must be in (0, 1] or none, got {self.top_p}")
 
 
-class UsageError(Exception):
-    """A problem with the command line or the run folder it names (exit status 2)."""
-
-
 def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nnx.Module]:
     """The run's config, vocabulary and model with its best parameters."""
     root = Path(run_dir)
@@ -100,21 +103,25 @@ def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nn
         )
     if not isinstance(saved.get("config"), dict):
         raise UsageError(f"{config_path} records no config")
-    known = {field.name for field in dataclasses.fields(language_model.Config)}
-    unknown = sorted(set(saved["config"]) - known)
-    if unknown:
+    try:
+        config = config_from_jsonable(language_model.Config, saved["config"])
+    except ValueError as err:
         raise UsageError(
-            f"{config_path} has settings this language_model.py does not know "
-            f"({', '.join(unknown)}): the run was made by another version of it"
-        )
+            f"{config_path} has settings this language_model.py does not know ({err}): the run "
+            "was made by another version of it"
+        ) from None
     # The run's corpus is prepared under its own folder (tfds_dir none: OUT_DIR/tfds), wherever
     # the folder is now.
-    config = dataclasses.replace(language_model.Config(**saved["config"]), out_dir=str(root))
+    config = dataclasses.replace(config, out_dir=str(root))
     checkpoints = root / "checkpoints"
     if not checkpoints.is_dir():
         raise UsageError(f"{root} has no checkpoints/ folder: the run never saved a model")
-    corpus = language_model.shrink_corpus(language_model.load_data(config), config)
-    model = language_model.build_model(config, len(corpus.vocabulary))
+    vocab_path = root / VOCABULARY_FILE
+    if vocab_path.is_file():
+        vocabulary = Vocabulary.read(vocab_path)
+    else:
+        vocabulary = config.data.load(root).vocabulary
+    model = language_model.build_model(config, len(vocabulary))
     with CheckpointStore(checkpoints) as store:
         if store.latest_step() is None:
             raise UsageError(f"{checkpoints} holds no checkpoint: the run never saved a model")
@@ -123,7 +130,7 @@ def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nn
         except ValueError as err:
             raise UsageError(f"cannot load the model of {root}: {err}") from None
     nnx.update(model, items["best_params"])
-    return config, corpus.vocabulary, model
+    return config, vocabulary, model.model
 
 
 def encode_prompt(prompt: str, vocabulary: Vocabulary) -> list[str]:
@@ -170,6 +177,14 @@ def run(config: Config) -> list[str]:
     """Loads the run, samples ``num_samples`` continuations, prints and writes them."""
     _, vocabulary, model = load_run(config.run_dir)
     words = encode_prompt(config.prompt, vocabulary)
+    # A Transformer's key-value cache holds the prompt and every sampled token but the last.
+    max_len = getattr(model, "max_len", None)
+    if max_len is not None and len(words) + config.num_tokens - 1 > max_len:
+        raise UsageError(
+            f"a prompt of {len(words)} token(s) and --num_tokens {config.num_tokens} need "
+            f"{len(words) + config.num_tokens - 1} positions; the run's Transformer takes "
+            f"max_len {max_len}"
+        )
     prompt = np.tile(vocabulary.encode(words), (config.num_samples, 1))
     try:
         tokens = bn.generate(
@@ -181,7 +196,7 @@ def run(config: Config) -> list[str]:
             top_k=config.top_k,
             top_p=config.top_p,
         )
-    except ValueError as err:  # e.g. top_k above the vocabulary, a Transformer's max_len
+    except ValueError as err:  # e.g. top_k above the vocabulary
         raise UsageError(str(err)) from None
     shown = words if config.prompt.split() else []
     texts = [detokenize(shown + vocabulary.decode(row)) for row in np.asarray(tokens)]
@@ -196,7 +211,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     config = parse_config(Config, {}, argv)
     try:
         return run(config)
-    except (UsageError, language_model.UsageError) as err:
+    except UsageError as err:
         print(f"generate.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -1,12 +1,18 @@
-"""Word-level language modelling on PTB / WikiText-2: AWD-LSTM with any output head.
+"""Word-level language modelling on PTB / WikiText-2: AWD-LSTM or Transformer, any output head.
 
-The recipe of Merity et al. (2017) as used by Kanai et al. (2018, App. C.1) and Ganea et al.
-(2019): a 3-layer AWD-LSTM (weight drop, locked / embedding dropout, tied embeddings, AR/TAR),
-SGD with per-batch learning rate ``lr * seq_len / bptt``, gradient clipping, weight decay and
-NT-ASGD; the head (``--head``) is any of bottleneck.nn.HEAD_NAMES: softmax, sigsoftmax, the
-sigmoid / ReLU normalizers, PLIF, the monotone MLP, MoS (Yang et al. 2018), MoSS, MoS + PLIF.
+``--model awd_lstm`` (the default) is the recipe of Merity et al. (2017) as used by Kanai et al.
+(2018, App. C.1) and Ganea et al. (2019): a 3-layer AWD-LSTM (weight drop, locked / embedding
+dropout, tied embeddings, AR/TAR), SGD with per-batch learning rate ``lr * seq_len / bptt``,
+gradient clipping, weight decay and NT-ASGD. ``--model transformer`` is a GPT-2-style decoder
+(:class:`bottleneck.nn.Transformer`: pre-norm, RoPE, tied embeddings) trained with AdamW, linear
+warmup and cosine decay (``--optimizer adamw``), keeping the best validated model; start from
+its presets (``transformer-smoke``, ``transformer-cpu``, ``transformer-gpu``). Either model
+takes any head (``--head``) of bottleneck.nn.HEAD_NAMES: softmax, sigsoftmax, the sigmoid /
+ReLU normalizers, PLIF, the monotone MLP, MoS (Yang et al. 2018), MoSS, MoS + PLIF.
 
     python experiments/language_model.py --preset smoke --out_dir /tmp/lm       # seconds
+    python experiments/language_model.py --preset transformer-cpu --head mos \\
+        --data_dir ../shared/data
     python experiments/language_model.py --preset cpu-small --data_dir ../shared/data
     python experiments/language_model.py --preset paper-ptb --head sigsoftmax --out_dir runs/ptb
     python experiments/language_model.py --preset paper-ptb --head sigsoftmax \\
@@ -15,13 +21,19 @@ sigmoid / ReLU normalizers, PLIF, the monotone MLP, MoS (Yang et al. 2018), MoSS
         --out_dir runs/mos-finetune --dynamic_eval                                 # Yang's recipe
 
 This file is configuration and wiring. Flags come in groups, one per part of :class:`Config`
-(``--data.*``, ``--awd_lstm.*``, ``--head.*``, ``--optimizer.*``, ``--training.*``,
-``--evaluation.*``), each also under its short name (``--lr`` is ``--optimizer.lr``); ``--help``
-lists them and the flags each preset sets. The run (epochs, NT-ASGD, ``--finetune_from``'s
-averaging stage, ``--patience``, checkpoints every epoch and on SIGINT / SIGTERM, resuming by
-rerunning the same command, the final and ``--dynamic_eval`` evaluation, the files written to
-``--out_dir``) is :mod:`bottleneck.train.run_loop`'s; its docstring says what it does. A resumed
-run may change only the fields in ``RESUMABLE_CHANGES``.
+(``--data.*``, ``--awd_lstm.*``, ``--transformer.*``, ``--head.*``, ``--optimizer.*``,
+``--training.*``, ``--evaluation.*``), each also under its short name (``--lr`` is
+``--optimizer.lr``) where that is unique (``tie_weights`` is not: ``--awd_lstm.tie_weights``,
+``--transformer.tie_weights``); ``--help`` lists them and the flags each preset sets. Both
+models see the same data: the AWD-LSTM's variable-length training windows (for the stateless
+Transformer, window boundaries that move every epoch vary the context each token is trained
+with; ``--max_len`` must cover the longest, and each step is scaled by ``seq_len / bptt`` for
+AdamW as for SGD) and the same evaluation windows. The run (epochs, NT-ASGD,
+``--finetune_from``'s averaging stage, ``--patience``, checkpoints every epoch and on SIGINT /
+SIGTERM, resuming by rerunning the same command, the final and ``--dynamic_eval`` evaluation,
+the files written to ``--out_dir``) is :mod:`bottleneck.train.run_loop`'s; its docstring says
+what it does. A resumed run may change only the fields in ``RESUMABLE_CHANGES`` (for AdamW not
+``--epochs``, which sets its schedule's length) and the other model's group.
 
 ``--mesh data=4,vocab=2`` (default: every device on ``data``) shards the batch (``--batch_size``
 must divide) and splits the head's decoder, the tied embedding and the normalizers over
@@ -41,12 +53,19 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from bottleneck import nn
+from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel
+from bottleneck.nn.transformer import (
+    NORMS,
+    POSITION_ENCODINGS,
+    Transformer,
+    TransformerLanguageModel,
+)
 from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_model, use_mesh
 from bottleneck.train import parse_config
 from bottleneck.train.experiment import UsageError
-from bottleneck.train.lm import LanguageModelTrainer
+from bottleneck.train.lm import LanguageModel, LanguageModelTrainer
 from bottleneck.train.lm_config import (
     DataConfig,
     EvaluationConfig,
@@ -57,11 +76,12 @@ from bottleneck.train.lm_config import (
 from bottleneck.train.run_loop import TrainingDiverged, open_session, train_and_evaluate
 
 FIXTURES_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "fixtures"
+MODELS = ("awd_lstm", "transformer")
 
 
 @dataclasses.dataclass(frozen=True)
 class AWDLSTMConfig:
-    """The AWD-LSTM (Merity et al. 2017): sizes, dropouts, AR / TAR."""
+    """The AWD-LSTM (Merity et al. 2017; --model awd_lstm): sizes, dropouts, AR / TAR."""
 
     emsize: int = 400
     nhid: int = 1150
@@ -95,11 +115,69 @@ class AWDLSTMConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """AWD-LSTM language model on PTB / WikiText-2 with any output head (defaults: paper-ptb)."""
+class TransformerConfig:
+    """The decoder-only Transformer (GPT-2 style; --model transformer): sizes, norm, dropouts."""
 
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    d_ff: int | None = dataclasses.field(
+        default=None, metadata={"help": "MLP hidden width; none: 4 x d_model"}
+    )
+    max_len: int = dataclasses.field(
+        default=256,
+        metadata={"help": "longest window: >= bptt + max_seq_len_delta rounded up to the bucket"},
+    )
+    position_encoding: str = dataclasses.field(
+        default="rope", metadata={"help": " | ".join(POSITION_ENCODINGS)}
+    )
+    norm: str = dataclasses.field(default="rmsnorm", metadata={"help": " | ".join(NORMS)})
+    embedding_dropout: float = 0.1
+    residual_dropout: float = dataclasses.field(
+        default=0.1, metadata={"help": "on each block's attention and MLP outputs"}
+    )
+    attention_dropout: float = dataclasses.field(
+        default=0.1, metadata={"help": "on the attention weights"}
+    )
+    tie_weights: bool = True
+
+    def validate(self) -> None:
+        for name in ("d_model", "num_layers", "num_heads", "max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_ff is not None and self.d_ff < 1:
+            raise ValueError(f"d_ff must be >= 1 or none, got {self.d_ff}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads {self.num_heads} must divide d_model {self.d_model}")
+        if self.position_encoding not in POSITION_ENCODINGS:
+            raise ValueError(
+                f"position_encoding must be one of {', '.join(POSITION_ENCODINGS)}, got "
+                f"{self.position_encoding!r}"
+            )
+        if self.position_encoding == "rope" and (self.d_model // self.num_heads) % 2:
+            raise ValueError(
+                f"rope needs an even head size d_model / num_heads, got "
+                f"{self.d_model} / {self.num_heads}"
+            )
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
+        for name in ("embedding_dropout", "residual_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """AWD-LSTM or Transformer language model on PTB / WikiText-2 with any output head (defaults:
+    AWD-LSTM paper-ptb)."""
+
+    model: str = dataclasses.field(
+        default="awd_lstm",
+        metadata={"help": "awd_lstm | transformer (its presets: transformer-smoke / -cpu / -gpu)"},
+    )
     data: DataConfig = DataConfig()
     awd_lstm: AWDLSTMConfig = AWDLSTMConfig()
+    transformer: TransformerConfig = TransformerConfig()
     head: HeadConfig = HeadConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     training: TrainingConfig = TrainingConfig()
@@ -113,6 +191,15 @@ class Config:
 
     def validate(self) -> None:
         """How the parts fit (each part checks itself)."""
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.model == "awd_lstm":
+            self._validate_awd_lstm()
+        else:
+            self._validate_transformer()
+        require_data_divides(self.mesh, "batch_size", self.data.batch_size)
+
+    def _validate_awd_lstm(self) -> None:
         model, head = self.awd_lstm, self.head.name
         mixtures = [name for name in HEAD_NAMES if nn.is_mixture_preset(name)]
         if model.dropoutl > 0 and head not in mixtures:
@@ -123,7 +210,32 @@ class Config:
                     f"tie_weights with head {head!r} needs nhidlast == emsize ({model.emsize}), "
                     f"got {model.nhidlast}"
                 )
-        require_data_divides(self.mesh, "batch_size", self.data.batch_size)
+
+    def _validate_transformer(self) -> None:
+        if self.optimizer.name == "sgd":
+            # The defaults are the AWD-LSTM's (SGD at lr 30): no recipe for a Transformer.
+            raise ValueError(
+                "model transformer trains with --optimizer adamw (or adam), not sgd / NT-ASGD; "
+                "start from --preset transformer-cpu, transformer-gpu or transformer-smoke"
+            )
+        longest = self.data.longest_window
+        if self.evaluation.dynamic_eval:
+            longest = max(longest, self.evaluation.dynamic_eval_segment)
+        if self.transformer.max_len < longest:
+            raise ValueError(
+                f"max_len {self.transformer.max_len} must cover the longest window, {longest} "
+                "steps (bptt + max_seq_len_delta rounded up to seq_len_bucket, or "
+                "dynamic_eval_segment)"
+            )
+
+    @property
+    def resumable_changes(self) -> tuple[str, ...]:
+        """The fields a resumed run may change: ``RESUMABLE_CHANGES``, but ``training.epochs``
+        when it sets the length of AdamW's schedule, and the group of the other model."""
+        fields = RESUMABLE_CHANGES
+        if self.optimizer.name == "adamw":
+            fields = tuple(name for name in fields if name != "training.epochs")
+        return (*fields, *(name for name in MODELS if name != self.model))
 
 
 # Sources. Kanai et al. 2018 (the seeds' 003), App. C.1.1, for AWD-LSTM: emsize 400, nhid 1150,
@@ -160,6 +272,39 @@ _MOS = {
     "evaluation.dynamic_eval_style": "yang",
     "evaluation.dynamic_eval_lr": 0.002,
     "evaluation.dynamic_eval_epsilon": 0.001,
+}
+# Seconds on any corpus: on the fixtures the token caps change nothing (18 training tokens); with
+# --data_dir pointing at real PTB the run reads a few hundred tokens of each split.
+_SMOKE = {
+    "data.data_dir": str(FIXTURES_DIR),
+    "head.num_components": 2,
+    "head.num_knots": 100,
+    "data.batch_size": 2,
+    "data.eval_batch_size": 1,
+    "evaluation.test_batch_size": 1,
+    "data.bptt": 3,
+    "data.seq_len_std": 1.0,
+    "data.min_seq_len": 2,
+    "data.max_seq_len_delta": 2,
+    "training.epochs": 3,
+    "data.train_tokens": 200,
+    "data.eval_tokens": 100,
+    "evaluation.logprob_block_tokens": 4,
+    "evaluation.dynamic_eval": True,
+    "evaluation.dynamic_eval_segment": 3,
+    "evaluation.dynamic_eval_batch_size": 2,
+    "evaluation.dynamic_eval_max_batches": 2,
+}
+# The Transformer's optimizer (GPT-2 practice): AdamW, clipping at 1, decoupled weight decay 0.1
+# of the matrices, linear warmup then cosine decay. PLIF's slopes follow the same schedule at the
+# same rate: an Adam step is about the rate whatever the gradient's scale, so Ganea et al.'s 0.02
+# (set beside the AWD-LSTM's SGD at 30) would move them 10-40 times as fast as the rest here.
+_TRANSFORMER = {
+    "model": "transformer",
+    "optimizer.name": "adamw",
+    "optimizer.clip": 1.0,
+    "optimizer.weight_decay": 0.1,
+    "optimizer.plif_lr": None,
 }
 PRESETS: dict[str, dict[str, Any]] = {
     "paper-ptb": {},
@@ -214,31 +359,71 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Seconds: the fixture corpus (18 training tokens), a 2-layer model, every stage.
     "smoke": {
-        "data.data_dir": str(FIXTURES_DIR),
+        **_SMOKE,
         "awd_lstm.emsize": 8,
         "awd_lstm.nhid": 16,
         "awd_lstm.nlayers": 2,
-        "head.num_components": 2,
-        "head.num_knots": 100,
-        "data.batch_size": 2,
-        "data.eval_batch_size": 1,
-        "evaluation.test_batch_size": 1,
-        "data.bptt": 3,
-        "data.seq_len_std": 1.0,
-        "data.min_seq_len": 2,
-        "data.max_seq_len_delta": 2,
         "optimizer.lr": 1.0,
-        "training.epochs": 3,
         "optimizer.nonmono": 1,
-        # Seconds on any corpus: on the fixtures these caps change nothing (18 training tokens);
-        # with --data_dir pointing at real PTB the run reads a few hundred tokens of each split.
-        "data.train_tokens": 200,
-        "data.eval_tokens": 100,
-        "evaluation.logprob_block_tokens": 4,
-        "evaluation.dynamic_eval": True,
-        "evaluation.dynamic_eval_segment": 3,
-        "evaluation.dynamic_eval_batch_size": 2,
-        "evaluation.dynamic_eval_max_batches": 2,
+    },
+    "transformer-smoke": {
+        **_SMOKE,
+        **_TRANSFORMER,
+        "transformer.d_model": 8,
+        "transformer.num_layers": 2,
+        "transformer.num_heads": 2,
+        "transformer.max_len": 8,
+        "optimizer.lr": 0.03,
+        "optimizer.warmup_steps": 2,
+    },
+    # Minutes per head on 2 shared CPU cores. Measured first (training steps alone, softmax):
+    # 2,600 tokens/s with PTB's 2,000 most frequent words (as experiments/lm_study.py) against
+    # 1,500 with all 10,000, whose head is then half the step; so 2,000 words and two epochs,
+    # ~12 minutes with softmax, MoS (K = 3) ~1.6x. Measured runs: README.md.
+    "transformer-cpu": {
+        **_TRANSFORMER,
+        "data.vocab_size": 2000,
+        "transformer.d_model": 128,
+        "transformer.num_layers": 4,
+        "transformer.num_heads": 4,
+        "transformer.d_ff": 512,
+        "transformer.max_len": 128,
+        "transformer.attention_dropout": 0.0,
+        "data.batch_size": 32,
+        "data.eval_batch_size": 16,
+        "data.bptt": 64,
+        "optimizer.lr": 2e-3,
+        "optimizer.warmup_steps": 100,
+        "training.epochs": 2,
+        "head.num_components": 3,
+        "head.num_knots": 10_000,
+        "evaluation.test_batch_size": 1,
+        "evaluation.max_logprob_tokens": 10_000,
+        "evaluation.dynamic_eval_segment": 64,
+        "evaluation.dynamic_eval_max_batches": 50,
+    },
+    # A GPU-sized starting point (not run here, not tuned): GPT-2-small-like width, strong
+    # dropout (PTB's million training tokens are few for 20M parameters), early stopping.
+    "transformer-gpu": {
+        **_TRANSFORMER,
+        "transformer.d_model": 512,
+        "transformer.num_layers": 6,
+        "transformer.num_heads": 8,
+        "transformer.d_ff": 2048,
+        "transformer.max_len": 256,
+        "transformer.embedding_dropout": 0.3,
+        "transformer.residual_dropout": 0.3,
+        "data.batch_size": 32,
+        "data.bptt": 128,
+        "data.max_seq_len_delta": 32,
+        "data.eval_batch_size": 16,
+        "optimizer.lr": 5e-4,
+        "optimizer.warmup_steps": 1000,
+        "training.epochs": 100,
+        "training.patience": 10,
+        "evaluation.test_batch_size": 1,
+        "evaluation.max_logprob_tokens": 40_000,
+        "evaluation.dynamic_eval_segment": 128,
     },
 }
 
@@ -250,22 +435,32 @@ RESUMABLE_CHANGES = (
 )  # fmt: skip
 
 
-def build_trainer(config: Config, vocab_size: int, mesh: Mesh | None) -> LanguageModelTrainer:
-    """The AWD-LSTM with its head and optimizer, placed on ``mesh`` (call it under the mesh)."""
+def build_model(config: Config, vocab_size: int) -> LanguageModel:
+    """The configured model with its head behind the run loop's interface, initialised from
+    ``config.seed`` (build it under the run's mesh)."""
+    rngs = nnx.Rngs(config.seed)
+    head = {"head": config.head.name, **config.head.options()}
+    if config.model == "transformer":
+        options = dataclasses.asdict(config.transformer)
+        return TransformerLanguageModel(Transformer(vocab_size, rngs=rngs, **options, **head))
     options = dataclasses.asdict(config.awd_lstm)
     alpha, beta = options.pop("alpha"), options.pop("beta")
-    model = AWDLSTM(
-        vocab_size,
-        head=config.head.name,
-        rngs=nnx.Rngs(config.seed),
-        **options,
-        **config.head.options(),
+    return AWDLSTMLanguageModel(
+        AWDLSTM(vocab_size, rngs=rngs, **options, **head), alpha=alpha, beta=beta
     )
+
+
+def build_trainer(
+    config: Config, corpus: TokenizedCorpus, mesh: Mesh | None
+) -> LanguageModelTrainer:
+    """The model and its optimizer, placed on ``mesh`` (call it under the mesh)."""
+    model = build_model(config, len(corpus.vocabulary))
     if mesh is not None:
         model = shard_model(model, mesh)
+    steps = config.training.epochs * config.data.steps_per_epoch(corpus.train, config.seed)
     return LanguageModelTrainer(
-        AWDLSTMLanguageModel(model, alpha=alpha, beta=beta),
-        config.optimizer.transformation(plif=config.head.uses_plif),
+        model,
+        config.optimizer.transformation(plif=config.head.uses_plif, total_steps=steps),
         seed=config.seed,
         mesh=mesh,
     )
@@ -276,12 +471,12 @@ def run_experiment(config: Config) -> dict[str, Any]:
     mesh = mesh_from_flag(config.mesh)
     # The mesh comes from context, as in Flax: the model is built and traced under it.
     with (
-        open_session(config.out_dir, config, may_change=RESUMABLE_CHANGES) as session,
+        open_session(config.out_dir, config, may_change=config.resumable_changes) as session,
         use_mesh(mesh),
     ):
         corpus = config.data.load(config.out_dir)
         return train_and_evaluate(
-            build_trainer(config, len(corpus.vocabulary), mesh),
+            build_trainer(config, corpus, mesh),
             corpus,
             session,
             data=config.data,
@@ -289,7 +484,11 @@ def run_experiment(config: Config) -> dict[str, Any]:
             evaluation=config.evaluation,
             policy=config.optimizer.policy(finetune=config.training.finetune_from is not None),
             seed=config.seed,
-            describe={"model": "awd_lstm", "head": config.head.name, "corpus": config.data.corpus},
+            describe={
+                "model": config.model,
+                "head": config.head.name,
+                "corpus": config.data.corpus,
+            },
         )
 
 

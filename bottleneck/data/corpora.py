@@ -262,6 +262,16 @@ class Vocabulary:
         """The vocabulary of a token stream (e.g. a training split), in first-occurrence order."""
         return cls(dict.fromkeys(tokens))
 
+    @classmethod
+    def read(cls, path: str | Path) -> Vocabulary:
+        """The vocabulary :meth:`write` wrote to ``path``."""
+        return cls(Path(path).read_text(encoding="utf-8").splitlines())
+
+    def write(self, path: str | Path) -> None:
+        """Writes the tokens to ``path``, one per line in id order (tokens hold no white space:
+        the corpora are split on it)."""
+        Path(path).write_text("".join(f"{token}\n" for token in self.tokens), encoding="utf-8")
+
     def __len__(self) -> int:
         return len(self.tokens)
 

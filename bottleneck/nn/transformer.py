@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bottleneck.nn.awd_lstm import inverted_dropout_masks
+from bottleneck.nn.awd_lstm import inverted_dropout_masks, time_mask
 from bottleneck.nn.heads import OutputHead, padded_rows_init
 from bottleneck.nn.presets import is_mixture_preset, make_head
 from bottleneck.sharding import padded_vocab_size
@@ -63,6 +63,13 @@ class TransformerAux(NamedTuple):
     """What :meth:`Transformer.objective` reports besides the loss."""
 
     nll: jax.Array
+
+
+class StatelessAux(NamedTuple):
+    """What :meth:`TransformerLanguageModel.objective` reports: the NLL, and no carry."""
+
+    nll: jax.Array
+    carry: None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -574,3 +581,53 @@ class Transformer(nnx.Module):
         if jnp.ndim(tokens) != 1:
             raise ValueError(f"tokens must have shape [B], got {jnp.shape(tokens)}")
         return self._extend(state, tokens[:, None])
+
+
+class TransformerLanguageModel(nnx.Module):
+    """A :class:`Transformer` behind the training loop's model interface
+    (:class:`bottleneck.train.lm.LanguageModel`), as :class:`~bottleneck.nn.awd_lstm.
+    AWDLSTMLanguageModel` is the AWD-LSTM's.
+
+    Stateless: the carry is ``None`` and every window ``tokens [B, T]`` is attended from its own
+    first step (a position sees at most its window's earlier tokens). A window is padded after
+    its ``length`` real steps; the padded positions are left out of the loss by ``where`` and,
+    lying after the real ones, cannot change them (causal attention). The objective is the NLL
+    alone (dropout inside the model; no AR / TAR).
+
+    Args:
+      model: the Transformer (its parameters are this module's); windows may be at most its
+        ``max_len`` steps long.
+    """
+
+    def __init__(self, model: Transformer):
+        self.model = model
+
+    def initial_carry(self, batch_size: int) -> None:
+        del batch_size
+        return None
+
+    def objective(
+        self, tokens: jax.Array, targets: jax.Array, carry: None, *, key: jax.Array, length: Any
+    ) -> tuple[jax.Array, StatelessAux]:
+        """Mean NLL of the real positions of ``targets [B, T]`` with dropout from ``key``."""
+        del carry
+        loss, aux = self.model.objective(tokens, targets, key=key, where=_real(tokens, length))
+        return loss, StatelessAux(aux.nll)
+
+    def nll(
+        self, tokens: jax.Array, targets: jax.Array, carry: None, *, length: Any
+    ) -> tuple[jax.Array, None]:
+        """Deterministic mean NLL of the real positions of ``targets [B, T]``; no carry."""
+        del carry
+        features = self.model.features(tokens)
+        return self.model.nll(features, targets, _real(tokens, length)), None
+
+    def log_probs(self, tokens: jax.Array, carry: None, *, length: Any) -> tuple[jax.Array, None]:
+        """Deterministic log-probabilities ``[B, T, M]`` (padded positions too); no carry."""
+        del carry, length  # padding comes after the real steps: causality leaves them as they are
+        return self.model(tokens), None
+
+
+def _real(tokens: jax.Array, length: Any) -> jax.Array:
+    """``[B, T]`` booleans: the real (unpadded) steps ``t < length`` of a window."""
+    return jnp.broadcast_to(time_mask(tokens.shape[1], length)[None, :], tokens.shape)

@@ -178,6 +178,37 @@ def replace_fields(config: ConfigT, changes: Mapping[str, Any]) -> ConfigT:
     return dataclasses.replace(config, **direct)
 
 
+def config_from_jsonable(config_cls: type[ConfigT], tree: Mapping[str, Any]) -> ConfigT:
+    """The config that :func:`to_jsonable` turned into ``tree`` (``config.json``'s ``"config"``).
+
+    Fields that ``tree`` lacks keep their defaults (a run recorded before they existed); a field
+    that ``config_cls`` does not have is a ``ValueError`` naming it (a run of another version).
+    JSON's lists become tuples again for tuple fields. The result is not validated.
+
+    Example:
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Config:
+      ...     lr: float = 1.0
+      ...     widths: tuple[int, ...] = (8,)
+      >>> config_from_jsonable(Config, {"widths": [4, 8]})
+      Config(lr=1.0, widths=(4, 8))
+    """
+    flags = {flag.dest: flag for flag in _flags(config_cls)}
+    values = _dotted(tree)
+    unknown = sorted(set(values) - set(flags))
+    if unknown:
+        raise ValueError(f"{config_cls.__name__} has no field(s) {', '.join(unknown)}")
+    return replace_fields(
+        config_cls(),
+        {
+            name: tuple(value)
+            if isinstance(value, list) and typing.get_origin(flags[name].type) is tuple
+            else value
+            for name, value in values.items()
+        },
+    )
+
+
 def validate_config(config: Any) -> None:
     """``ValueError`` unless every float is finite and every part's ``validate()`` passes.
 

@@ -118,7 +118,8 @@ class LanguageModel(Protocol):
     ``[B, T]`` of a window padded after its first ``length`` steps (``length``: int32 scalar;
     positions from ``length`` on must not count, nor change the carry), and the ``carry`` from the
     previous window of the same stream (from :meth:`initial_carry` for the first).
-    :class:`bottleneck.nn.awd_lstm.AWDLSTMLanguageModel` is the AWD-LSTM's.
+    :class:`bottleneck.nn.awd_lstm.AWDLSTMLanguageModel` is the AWD-LSTM's,
+    :class:`bottleneck.nn.transformer.TransformerLanguageModel` the Transformer's (stateless).
     """
 
     def initial_carry(self, batch_size: int) -> Any:

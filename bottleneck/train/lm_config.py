@@ -8,7 +8,7 @@ Each part is a frozen dataclass that validates itself and turns into what the li
 * :class:`HeadConfig`: the output head and its options (:meth:`~HeadConfig.options` for
   :func:`bottleneck.nn.make_head`);
 * :class:`OptimizerConfig`: the optax transformation and its :class:`~bottleneck.train.nt_asgd.
-  EpochPolicy` (NT-ASGD for SGD);
+  EpochPolicy` (NT-ASGD for SGD; AdamW with linear warmup and cosine decay keeps the best);
 * :class:`TrainingConfig` and :class:`EvaluationConfig`: the run loop's own options
   (:func:`bottleneck.train.run_loop.train_and_evaluate`).
 
@@ -28,15 +28,23 @@ import optax
 import tensorflow_datasets as tfds
 
 from bottleneck import nn
-from bottleneck.data import CORPORA, BpttWindow, bptt_windows, limit_vocabulary, load_corpus
+from bottleneck.data import (
+    CORPORA,
+    BpttWindow,
+    batchify,
+    bptt_windows,
+    limit_vocabulary,
+    load_corpus,
+)
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.train.dynamic_eval import STYLES
 from bottleneck.train.experiment import UsageError
+from bottleneck.train.lm import padded_length
 from bottleneck.train.nt_asgd import EpochPolicy, KeepBest, NtAsgd
 from bottleneck.train.steps import make_optimizer
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 def _help(text: str, **metadata: Any) -> dict[str, Any]:
@@ -124,6 +132,17 @@ class DataConfig:
             test=corpus.test[: self.eval_tokens],
         )
 
+    @property
+    def longest_window(self) -> int:
+        """The most steps a window is padded to: ``bptt + max_seq_len_delta`` (the longest
+        training window) rounded up to ``seq_len_bucket``; evaluation windows have ``bptt``."""
+        return padded_length(self.bptt + self.max_seq_len_delta, self.seq_len_bucket)
+
+    def steps_per_epoch(self, train: np.ndarray, seed: int) -> int:
+        """Training windows (optimizer steps) in the first epoch over the token ids ``train``
+        ``[N]``; later epochs differ by a few, their lengths being drawn anew."""
+        return sum(1 for _ in self.train_windows(batchify(train, self.batch_size), 0, seed))
+
     def train_windows(self, batched: np.ndarray, epoch: int, seed: int) -> Iterator[BpttWindow]:
         """Epoch ``epoch``'s training windows; the lengths are drawn from ``rng(seed, epoch)``, so
         a resumed epoch sees the same windows."""
@@ -175,20 +194,31 @@ class HeadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """The optimizer: SGD with NT-ASGD (AWD-LSTM's) or Adam; clipping, weight decay."""
+    """The optimizer: SGD with NT-ASGD (AWD-LSTM's), Adam, or AdamW with linear warmup and
+    cosine decay (a Transformer's); clipping, weight decay."""
 
     name: str = dataclasses.field(
-        default="sgd", metadata=_help("sgd (NT-ASGD) | adam", flag="optimizer")
+        default="sgd",
+        metadata=_help("sgd (NT-ASGD) | adam | adamw (warmup + cosine decay)", flag="optimizer"),
     )
-    lr: float = 30.0
+    lr: float = dataclasses.field(default=30.0, metadata=_help("adamw: the peak"))
     plif_lr: float | None = dataclasses.field(
         default=0.02, metadata=_help("PLIF slopes' own learning rate (Ganea et al.); none: --lr")
     )
     clip: float = dataclasses.field(default=0.25, metadata=_help("global-norm clip; 0: off"))
-    weight_decay: float = 1.2e-6
+    weight_decay: float = dataclasses.field(
+        default=1.2e-6, metadata=_help("L2 on the gradient; adamw: decoupled, matrices only")
+    )
     nonmono: int = dataclasses.field(
         default=5,
         metadata=_help("NT-ASGD: average once validation has not improved for N epochs"),
+    )
+    warmup_steps: int = dataclasses.field(
+        default=1000, metadata=_help("adamw: steps of linear warmup from 0 to --lr")
+    )
+    final_lr_fraction: float = dataclasses.field(
+        default=0.1,
+        metadata=_help("adamw: the cosine decay ends at this fraction of --lr, at the last epoch"),
     )
 
     def validate(self) -> None:
@@ -198,15 +228,40 @@ class OptimizerConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.plif_lr is not None and self.plif_lr <= 0:
             raise ValueError(f"plif_lr must be > 0 or none, got {self.plif_lr}")
-        _check_non_negative(self, "clip", "weight_decay")
+        _check_non_negative(self, "clip", "weight_decay", "warmup_steps")
         _check_positive(self, "nonmono")
+        if not 0 <= self.final_lr_fraction <= 1:
+            raise ValueError(f"final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}")
 
-    def transformation(self, *, plif: bool) -> optax.GradientTransformation:
-        """The optax transformation; ``plif``: the model has PLIF slopes (their own rate)."""
+    def transformation(self, *, plif: bool, total_steps: int) -> optax.GradientTransformation:
+        """The optax transformation; ``plif``: the model has PLIF slopes (their own rate).
+
+        For ``adamw`` every rate follows :func:`optax.warmup_cosine_decay_schedule`: linear from
+        0 to the rate over ``warmup_steps``, then a cosine to ``final_lr_fraction`` of it at
+        ``total_steps`` (epochs × :meth:`DataConfig.steps_per_epoch`), constant after. The
+        schedule reads the step count in the optimizer state, so a resumed run continues it.
+        ``total_steps`` must exceed ``warmup_steps`` (a
+        :class:`~bottleneck.train.experiment.UsageError` otherwise); SGD and Adam ignore it.
+        """
+        rate, plif_rate = self.lr, (self.plif_lr if plif else None)
+        if self.name == "adamw":
+            if total_steps <= self.warmup_steps:
+                raise UsageError(
+                    f"warmup_steps {self.warmup_steps} must be below the run's {total_steps} "
+                    "steps (epochs x windows per epoch): lower --warmup_steps or add --epochs"
+                )
+
+            def schedule(peak: float) -> optax.Schedule:
+                return optax.warmup_cosine_decay_schedule(
+                    0.0, peak, self.warmup_steps, total_steps, peak * self.final_lr_fraction
+                )
+
+            rate = schedule(rate)
+            plif_rate = None if plif_rate is None else schedule(plif_rate)
         return make_optimizer(
-            self.lr,
+            rate,
             optimizer=self.name,
-            plif_learning_rate=self.plif_lr if plif else None,
+            plif_learning_rate=plif_rate,
             grad_clip_norm=self.clip or None,
             weight_decay=self.weight_decay,
         )

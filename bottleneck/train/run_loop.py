@@ -39,7 +39,9 @@ On SIGINT / SIGTERM the run finishes its step, saves and exits with status 128 +
 training loss that turns NaN or infinite stops it with :class:`TrainingDiverged` before anything
 of the broken epoch is saved.
 
-Writes to the run folder: config.json, metrics.jsonl (one line per epoch: train loss,
+Writes to the run folder: config.json, vocab.txt (the vocabulary, one token per line in id
+order: what a model's ids mean, for sampling without the corpus; a resumed run whose corpus
+gives another vocabulary is refused), metrics.jsonl (one line per epoch: train loss,
 validation perplexity, seconds, tokens/s; a final "test" line), results.json,
 log_probs/block_*.npy (test log-probabilities [T_i, M], float32, one row per test token in
 evaluation order: window, time step, sequence), log_prob_targets.npy (the rows' target ids) and
@@ -64,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from bottleneck.data import BpttWindow, batchify
+from bottleneck.data import BpttWindow, Vocabulary, batchify
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.train.checkpoint import CheckpointStore, RunLock, StopSignals
 from bottleneck.train.experiment import (
@@ -122,6 +124,22 @@ def open_session(
         if resuming:
             check_resumable(root, config, may_change)
         yield Session(open_run(root, config, resume=resuming), store, stop)
+
+
+VOCABULARY_FILE = "vocab.txt"
+
+
+def record_vocabulary(run: RunDir, vocabulary: Vocabulary, *, resuming: bool) -> None:
+    """Writes ``vocab.txt``; when ``resuming``, a ``vocab.txt`` already there must be
+    ``vocabulary`` (:class:`~bottleneck.train.experiment.UsageError` otherwise): the checkpoint's
+    token ids mean nothing with another one."""
+    path = run.path(VOCABULARY_FILE)
+    if resuming and path.is_file() and Vocabulary.read(path).tokens != vocabulary.tokens:
+        raise UsageError(
+            f"{path} differs from the corpus's vocabulary of {len(vocabulary)}: the run was "
+            "trained on other data files; restore them or choose another --out_dir"
+        )
+    vocabulary.write(path)
 
 
 def perplexity(loss: float) -> float:
@@ -521,6 +539,9 @@ def train_and_evaluate(
       ``results.json``'s contents: ``describe``, then the evaluation's results (perplexities,
       ``stop_reason``, ``data`` provenance, ``tokens_used``, ``dynamic_eval``, ...).
     """
+    record_vocabulary(
+        session.run, corpus.vocabulary, resuming=session.store.latest_step() is not None
+    )
     lm = LanguageModelRun(
         trainer,
         corpus,
@@ -552,7 +573,7 @@ def train_and_evaluate(
             "dyn_test_ppl": results["dynamic_eval"]["test_ppl"],
         }
     print_table([summary], floatfmt=".2f")
-    written = ["results.json", "metrics.jsonl", "config.json", "checkpoints/"]
+    written = ["results.json", "metrics.jsonl", "config.json", VOCABULARY_FILE, "checkpoints/"]
     if "log_probs" in results:
         written += ["log_probs/", "log_prob_targets.npy"]
     print(f"\nwrote {run.root}/: {', '.join(written)}")

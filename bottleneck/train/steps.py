@@ -22,27 +22,32 @@ def make_optimizer(
     learning_rate: float | optax.Schedule,
     *,
     optimizer: str = "adam",
-    plif_learning_rate: float | None = None,
+    plif_learning_rate: float | optax.Schedule | None = None,
     grad_clip_norm: float | None = None,
     weight_decay: float = 0.0,
 ) -> optax.GradientTransformation:
     """An optax transformation, optionally with its own learning rate for PLIF slopes.
 
     Args:
-      learning_rate: for all parameters (but PLIF slopes when ``plif_learning_rate`` is set).
-      optimizer: ``"adam"`` or ``"sgd"``.
-      plif_learning_rate: separate rate for the ``raw_slopes`` parameters (Ganea et al. use
-        0.02); labels come from :func:`bottleneck.nn.param_labels`.
+      learning_rate: for all parameters (but PLIF slopes when ``plif_learning_rate`` is set); a
+        number or an optax schedule of the step count.
+      optimizer: ``"adam"``, ``"sgd"`` or ``"adamw"``.
+      plif_learning_rate: separate rate (or schedule) for the ``raw_slopes`` parameters (Ganea
+        et al. use 0.02); labels come from :func:`bottleneck.nn.param_labels`.
       grad_clip_norm: clip the global gradient norm first (0.25 in Merity et al.).
-      weight_decay: L2 penalty added to the gradient (PyTorch-SGD style, as AWD-LSTM).
+      weight_decay: for ``"sgd"`` / ``"adam"`` an L2 penalty added to the gradient (PyTorch-SGD
+        style, as AWD-LSTM); for ``"adamw"`` decoupled decay (Loshchilov & Hutter 2019) of the
+        matrices only (``ndim >= 2``: projections and embeddings, as GPT-2 training does), not
+        of biases, norm scales or PLIF slopes.
     """
-    builders = {"adam": optax.adam, "sgd": optax.sgd}
-    if optimizer not in builders:
-        raise ValueError(f"optimizer must be one of {sorted(builders)}, got {optimizer!r}")
+    if optimizer not in ("adam", "sgd", "adamw"):
+        raise ValueError(f"optimizer must be one of adam, adamw, sgd, got {optimizer!r}")
 
     def with_rate(rate: float | optax.Schedule) -> optax.GradientTransformation:
+        if optimizer == "adamw":
+            return optax.adamw(rate, weight_decay=weight_decay, mask=_matrices)
         steps = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
-        return optax.chain(*steps, builders[optimizer](rate))
+        return optax.chain(*steps, {"adam": optax.adam, "sgd": optax.sgd}[optimizer](rate))
 
     tx = with_rate(learning_rate)
     if plif_learning_rate is not None:
@@ -52,6 +57,11 @@ def make_optimizer(
     if grad_clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(grad_clip_norm), tx)
     return tx
+
+
+def _matrices(params: Any) -> Any:
+    """AdamW's decay mask: True for the parameters with two or more axes."""
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
 class Trainer:

@@ -1,11 +1,12 @@
-"""experiments/generate.py: a smoke run of language_model.py, then samples from it; bad inputs.
+"""experiments/generate.py: smoke runs of language_model.py, then samples from them; bad inputs.
 
-The training run is a subprocess (one epoch of the smoke preset, XLA's fast compile mode);
-generate.py runs in-process.
+The training runs are subprocesses (one epoch of the AWD-LSTM's and the Transformer's smoke
+presets, XLA's fast compile mode); generate.py runs in-process.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,21 +21,25 @@ import generate  # noqa: E402
 WORDS = {"the", "cat", "sat", "on", "mat", "dog", "a", "<unk>", "N", "years", "ago"}
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke")
+def _train(out, *flags):
+    """One epoch of a smoke preset, without the evaluation extras."""
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_backend_optimization_level=0",
         "JAX_PLATFORMS": "cpu",
     }
-    flags = ["--preset", "smoke", "--epochs", "1", "--no-dynamic_eval", "--max_logprob_tokens", "0"]
+    flags = [*flags, "--epochs", "1", "--no-dynamic_eval", "--max_logprob_tokens", "0"]
     process = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "language_model.py"), *flags, "--out_dir", out],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert process.returncode == 0, process.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("smoke"), "--preset", "smoke")
 
 
 def test_samples_are_printed_written_and_a_function_of_the_seed(run_dir, capsys):
@@ -85,3 +90,26 @@ def test_a_folder_that_is_not_a_language_model_run_is_refused(tmp_path, capsys):
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
     assert not (other / "checkpoints").exists() and not (other / "samples").exists()
+
+
+def test_a_run_without_vocab_txt_reads_its_corpus_again(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("samples"))
+    (copy / "vocab.txt").unlink()  # as a run made before the run loop wrote it
+    flags = ["--num_tokens", "6", "--prompt", "the cat", "--num_samples", "2"]
+    texts = generate.main(["--run_dir", str(run_dir), *flags])
+    assert generate.main(["--run_dir", str(copy), *flags]) == texts
+
+
+def test_samples_from_a_transformer_run_within_its_max_len(tmp_path, capsys):
+    # The smoke Transformer takes 8 positions: a prompt of 2 and 7 samples fill its cache.
+    run = _train(tmp_path / "transformer", "--preset", "transformer-smoke")
+    flags = ["--run_dir", str(run), "--prompt", "the cat", "--num_samples", "3"]
+    texts = generate.main([*flags, "--num_tokens", "7"])
+    assert len(texts) == 3 and len(set(texts)) > 1
+    for text in texts:
+        assert text.startswith("the cat") and set(text.split()) <= WORDS
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main([*flags, "--num_tokens", "8"])
+    assert exit_info.value.code == 2
+    assert "need 9 positions; the run's Transformer takes max_len 8" in capsys.readouterr().err

@@ -1,13 +1,17 @@
-"""experiments/language_model.py: the smoke run end to end, its flags, presets and refusals.
+"""experiments/language_model.py: the smoke runs end to end, its flags, presets and refusals.
 
 The run loop itself (resuming, stop signals, divergence, finetuning, early stopping) is tested
 with a tiny model in tests/train/test_run_loop.py. The runs here are subprocesses sharing one
 persistent JAX compilation cache (and XLA's fast compile mode), so only the first compiles.
+The Transformer's runs: a plain and a mixture head on one device, and the mixture head on a
+vocabulary-parallel mesh of 8 CPU devices stopped by SIGTERM mid-epoch and resumed (that
+comparison is tests/test_sharding.py's for the AWD-LSTM; the one-device run it needs is here).
 """
 
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,6 +46,26 @@ def _run(env, *args):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     return process.returncode, process.stdout, process.stderr
+
+
+# language_model.py that sends itself SIGTERM before training step argv[1] (as an operator's
+# kill would, at a step known in advance); the run saves after that step and exits 128 + 15.
+STOPPED_AT_STEP = f"""
+import os, signal, sys
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+import language_model
+from bottleneck.train.lm import LanguageModelTrainer
+
+train_step = LanguageModelTrainer.train_step
+
+def stopping_step(self, *args, **kwargs):
+    if int(self.state.step) == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return train_step(self, *args, **kwargs)
+
+LanguageModelTrainer.train_step = stopping_step
+language_model.main(sys.argv[2:])
+"""
 
 
 def _metrics(out):
@@ -106,6 +130,14 @@ def test_smoke_run_writes_every_output(smoke):
         (["--dynamic_eval_lambda", "inf"], "dynamic_eval_lambda must be finite"),
         (["--patience", "0"], "patience must be >= 1 or none, got 0"),
         (["--train_tokens", "0"], "train_tokens must be >= 1 or none, got 0"),
+        (["--model", "transformer"], "model transformer trains with --optimizer adamw"),
+        (["--model", "lstm"], "model must be one of awd_lstm, transformer, got 'lstm'"),
+        (
+            ["--preset", "transformer-smoke", "--max_len", "7"],
+            "max_len 7 must cover the longest window, 8 steps",
+        ),
+        (["--preset", "transformer-smoke", "--num_heads", "3"], "num_heads 3 must divide"),
+        (["--preset", "transformer-smoke", "--optimizer", "adamw2"], "one of sgd, adam, adamw"),
         (
             ["--data_dir", "/nonexistent"],
             "expects the files ptb.train.txt, ptb.valid.txt, ptb.test.txt",
@@ -133,13 +165,18 @@ def test_help_lists_the_groups_both_spellings_and_what_each_preset_sets(capsys):
         language_model.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for group in ("data:", "awd_lstm:", "head:", "optimizer:", "training:", "evaluation:"):
+    groups = ("data:", "awd_lstm:", "transformer:", "head:", "optimizer:", "training:")
+    for group in (*groups, "evaluation:"):
         assert f"\n{group}\n" in text, group
     assert "--lr FLOAT, --optimizer.lr FLOAT" in text and "--head STR, --head.name STR" in text
+    assert "--model STR" in text and "awd_lstm | transformer" in text
+    assert "--awd_lstm.tie_weights" in text and "--transformer.tie_weights" in text
     presets = text[text.index("presets (--preset NAME)") :]
     mos_ptb = presets[presets.index("  mos-ptb ") : presets.index("  mos-wt2 ")]
     assert "--head mos" in mos_ptb and "--lr 20.0" in mos_ptb and "--seed 28" in mos_ptb
     assert "--dropouti" not in mos_ptb  # 0.4, the default: only what a preset changes is listed
+    cpu = presets[presets.index("  transformer-cpu ") : presets.index("  transformer-gpu ")]
+    assert "--model transformer" in cpu and "--optimizer adamw" in cpu and "--d_model 128" in cpu
 
 
 def test_dotted_and_short_flags_set_the_same_field(tmp_path):
@@ -210,3 +247,91 @@ def test_smoke_on_the_real_corpus_reads_a_few_hundred_tokens(env, tmp_path):
     assert results["data"]["token_counts"]["train"] == 929_589
     assert results["data"]["matches_release"]
     assert time.monotonic() - start < 240  # seconds to minutes, not three PTB epochs
+
+
+TRANSFORMER = ("--preset", "transformer-smoke")
+MIXTURE = (*TRANSFORMER, "--head", "mos", "--no-dynamic_eval")
+
+
+@pytest.fixture(scope="module")
+def transformer_runs(env, tmp_path_factory):
+    """Transformer smoke runs: softmax, mos, and mos on ``--mesh vocab=8`` (12 words padded to
+    16 rows) stopped at step 4 (epoch 2) and resumed, all concurrently but the resumed one."""
+    root = tmp_path_factory.mktemp("transformer")
+    mesh_env = {
+        **env, "XLA_FLAGS": f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count=8"
+    }  # fmt: skip
+    mesh_args = [*MIXTURE, "--mesh", "vocab=8", "--out_dir", str(root / "mesh")]
+
+    def start(args, environment=env, script=(str(SCRIPT),)):
+        return subprocess.Popen(
+            [sys.executable, *script, *args],
+            cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    runs = {
+        "softmax": start([*TRANSFORMER, "--out_dir", str(root / "softmax")]),
+        "mos": start([*MIXTURE, "--out_dir", str(root / "mos")]),
+        "stopped": start(["4", *mesh_args], mesh_env, ("-c", STOPPED_AT_STEP)),
+    }
+    stopped = runs.pop("stopped")
+    _, stderr = stopped.communicate(timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    runs["resumed"] = start(mesh_args, mesh_env)
+    outputs = {name: process.communicate(timeout=300) for name, process in runs.items()}
+    for name, process in runs.items():
+        assert process.returncode == 0, outputs[name][1][-3000:]
+    assert "at epoch 2, window" in outputs["resumed"][0]
+    return root
+
+
+def test_the_transformer_trains_with_a_plain_and_a_mixture_head(transformer_runs):
+    for head in ("softmax", "mos"):
+        out = transformer_runs / head
+        epochs = [m for m in _metrics(out) if m["event"] == "epoch"]
+        assert [m["epoch"] for m in epochs] == [1, 2, 3]
+        assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+        assert epochs[-1]["valid_loss"] < epochs[0]["valid_loss"]
+        assert not any(m["averaged"] for m in epochs)  # AdamW keeps the best; no NT-ASGD
+        results = json.loads((out / "results.json").read_text())
+        assert (results["model"], results["head"]) == ("transformer", head)
+        assert results["test_ppl"] < 12  # better than uniform over the 12 words
+        config = json.loads((out / "config.json").read_text())["config"]
+        assert config["model"] == "transformer" and config["optimizer"]["name"] == "adamw"
+    results = json.loads((transformer_runs / "softmax" / "results.json").read_text())
+    assert set(results["dynamic_eval"]) >= {"valid_ppl", "test_ppl", "lr", "lamb", "style"}
+    log_probs = np.concatenate(
+        [np.load(f) for f in sorted((transformer_runs / "softmax" / "log_probs").iterdir())]
+    )
+    targets = np.load(transformer_runs / "softmax" / "log_prob_targets.npy")
+    nll = -np.mean(log_probs[np.arange(len(targets)), targets])
+    np.testing.assert_allclose(nll, results["test_loss"], rtol=1e-5)
+
+
+def test_the_transformer_on_a_vocab_mesh_resumed_mid_epoch_equals_one_device(transformer_runs):
+    def outcome(out):
+        epochs = [m for m in _metrics(out) if m["event"] == "epoch"]
+        results = json.loads((out / "results.json").read_text())
+        losses = [(m["train_loss"], m["valid_loss"]) for m in epochs]
+        log_probs = [np.load(f) for f in sorted((out / "log_probs").glob("*.npy"))]
+        return losses, [results["valid_loss"], results["test_loss"]], np.concatenate(log_probs)
+
+    want, got = outcome(transformer_runs / "mos"), outcome(transformer_runs / "mesh")
+    assert len(want[0]) == 3
+    for got_part, want_part in zip(got, want, strict=True):
+        np.testing.assert_allclose(got_part, want_part, atol=1e-5, rtol=0)
+    config = json.loads((transformer_runs / "mesh" / "config.json").read_text())["config"]
+    assert config["mesh"] == "vocab=8"
+
+
+def test_adamw_runs_refuse_another_epoch_budget_on_resuming(transformer_runs, capsys):
+    # The budget sets the length of the cosine decay, which the steps so far followed.
+    out = transformer_runs / "mos"
+    with pytest.raises(SystemExit) as exit_info:
+        language_model.main([*MIXTURE, "--epochs", "4", "--out_dir", str(out)])
+    assert exit_info.value.code == 2
+    assert "different config (training.epochs: 3 -> 4)" in capsys.readouterr().err
+    # The other model's group may change: it builds nothing.
+    config = parse_config(language_model.Config, language_model.PRESETS, MIXTURE)
+    assert "awd_lstm" in config.resumable_changes and "transformer" not in config.resumable_changes
+    assert "training.epochs" in language_model.Config().resumable_changes  # SGD: no schedule

@@ -19,7 +19,11 @@ from flax import nnx
 import bottleneck as bn
 from bottleneck import nn
 from bottleneck.nn import Transformer
-from bottleneck.nn.transformer import causal_attention, rotary_embedding
+from bottleneck.nn.transformer import (
+    TransformerLanguageModel,
+    causal_attention,
+    rotary_embedding,
+)
 
 V, D, L, H, T, B, MAX_LEN = 24, 16, 2, 2, 8, 3, 16
 DROPOUT = {"embedding_dropout": 0.1, "residual_dropout": 0.1, "attention_dropout": 0.1}
@@ -116,6 +120,35 @@ def test_a_cache_overflow_is_nan_not_a_plausible_number():
         model.prefill(model.init_decode_state(B, 3), tokens()[:, :4])
     with pytest.raises(ValueError, match="max_len must be in"):
         model.init_decode_state(B, MAX_LEN + 1)
+
+
+@fast_jit
+def adapted(model, x, y, length, key):
+    """The run loop's view (:class:`TransformerLanguageModel`) of a window padded after length."""
+    lm = TransformerLanguageModel(model)
+    carry = lm.initial_carry(x.shape[0])
+    return (
+        lm.nll(x, y, carry, length=length),
+        lm.log_probs(x, carry, length=length),
+        lm.objective(x, y, carry, key=key, length=length),
+    )
+
+
+def test_the_run_loops_adapter_scores_the_real_steps_only_and_carries_nothing():
+    model, real, key = MODELS["rope"], T - 3, jax.random.key(0)
+    x, y = tokens(), tokens(seed=2)
+    runs = [
+        adapted(model, *[np.where(np.arange(T) < real, ids, pad) for ids in (x, y)], real, key)
+        for pad in (0, 5)
+    ]
+    (nll, nll_carry), (lp, lp_carry), (loss, aux) = runs[0]
+    assert TransformerLanguageModel(model).initial_carry(B) is None
+    assert nll_carry is None and lp_carry is None and aux.carry is None and aux.nll == loss
+    # The padding neither counts nor changes the real steps' scores.
+    np.testing.assert_allclose(nll, bn.cross_entropy(lp[:, :real], y[:, :real]), rtol=1e-5)
+    np.testing.assert_allclose(runs[1][0][0], nll, rtol=1e-6)
+    np.testing.assert_allclose(runs[1][1][0][:, :real], lp[:, :real], rtol=1e-6, atol=1e-6)
+    assert np.isfinite(loss) and loss != nll  # dropout in the objective
 
 
 def test_loss_equals_cross_entropy_of_the_full_log_probs(model):

@@ -1,4 +1,4 @@
-"""parse_config, open_run / RunDir, print_table, progress."""
+"""parse_config, config_from_jsonable, open_run / RunDir, print_table, progress."""
 
 import csv
 import dataclasses
@@ -12,12 +12,13 @@ import pytest
 from bottleneck.train import (
     RunDir,
     RunFolderError,
+    config_from_jsonable,
     open_run,
     parse_config,
     print_table,
     progress,
 )
-from bottleneck.train.experiment import check_resumable, replace_fields
+from bottleneck.train.experiment import check_resumable, replace_fields, to_jsonable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +241,19 @@ def test_replace_fields_and_presets_name_fields_that_exist():
         replace_fields(Nested(), {"model.depth": 2})
     with pytest.raises(TypeError, match="has no field"):  # any preset, whichever is chosen
         parse_config(Nested, {"typo": {"optimiser.lr": 1.0}}, [])
+
+
+def test_a_recorded_config_is_read_back_with_defaults_for_fields_it_lacks(tmp_path):
+    config = Nested(Optimizer(0.5, "adam"), Model(width=3), seed=2)
+    run = open_run(tmp_path, config)
+    recorded = json.loads((run.root / "config.json").read_text())["config"]
+    assert config_from_jsonable(Nested, recorded) == config
+    del recorded["model"]["lr"], recorded["seed"]  # a run from before those fields existed
+    assert config_from_jsonable(Nested, recorded) == Nested(Optimizer(0.5, "adam"), Model(3))
+    flat = Config(experts=(3, 5), pair=(2, 0.5))
+    assert config_from_jsonable(Config, json.loads(json.dumps(to_jsonable(flat)))) == flat
+    with pytest.raises(ValueError, match=r"Nested has no field\(s\) model.depth, tag"):
+        config_from_jsonable(Nested, {"model": {"depth": 2}, "tag": "x"})
 
 
 def test_check_resumable_compares_dotted_fields_but_those_that_may_change(tmp_path):

@@ -123,13 +123,17 @@ def _trainer(config: Config) -> LanguageModelTrainer:
     return LanguageModelTrainer(TableModel(stateful=config.stateful), tx, seed=config.seed)
 
 
-def _run(config: Config, trainer: LanguageModelTrainer | None = None) -> dict[str, Any]:
+def _run(
+    config: Config,
+    trainer: LanguageModelTrainer | None = None,
+    corpus: TokenizedCorpus | None = None,
+) -> dict[str, Any]:
     finetune = config.training.finetune_from is not None
     policy = NtAsgd(nonmono=1, finetune=finetune) if config.optimizer == "sgd" else KeepBest()
     with open_session(config.out_dir, config, may_change=("training.epochs",)) as session:
         return train_and_evaluate(
             trainer or _trainer(config),
-            _corpus(),
+            corpus or _corpus(),
             session,
             data=config.data,
             training=config.training,
@@ -174,6 +178,7 @@ def test_epochs_write_metrics_checkpoints_and_results(reference):
     assert results["stop_reason"] == "epoch budget (4)"
     assert results["tokens_used"] == {"train": 240, "validation": 60, "test": 41}
     assert results["data"]["corpus"] == "toy" and not results["data"]["matches_release"]
+    assert (out / "vocab.txt").read_text().splitlines() == [f"w{i}" for i in range(VOCAB)]
     assert json.loads((out / "results.json").read_text())["test_loss"] == results["test_loss"]
     # The best model is evaluated: its validation loss is the best epoch's.
     np.testing.assert_allclose(
@@ -298,6 +303,11 @@ def test_resuming_with_another_config_is_refused(reference):
         _run(Config(out_dir=str(out), seed=4))
     with pytest.raises(UsageError, match=r"data.batch_size: 4 -> 2"):
         _run(Config(out_dir=str(out), data=dataclasses.replace(DATA, batch_size=2)))
+    # The same config on other data files: the checkpoint's ids would mean other words.
+    renamed = _corpus()._replace(vocabulary=Vocabulary([f"v{i}" for i in range(VOCAB)]))
+    with pytest.raises(UsageError, match="vocab.txt differs from the corpus's vocabulary of 8"):
+        _run(Config(out_dir=str(out)), corpus=renamed)
+    assert (out / "vocab.txt").read_text().splitlines()[0] == "w0"
 
 
 def test_early_stopping_and_stop_reasons():

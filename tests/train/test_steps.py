@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 from bottleneck import nn
-from bottleneck.train import Trainer, make_optimizer
+from bottleneck.train import Trainer, UsageError, make_optimizer
+from bottleneck.train.lm_config import OptimizerConfig
 
 
 def _regression_loss(model, batch):
@@ -69,3 +70,32 @@ def test_make_optimizer_clips_and_decays():
     )
     with pytest.raises(ValueError, match="optimizer must be one of"):
         make_optimizer(0.1, optimizer="lion")
+
+
+def test_adamw_decays_the_matrices_only_also_beside_plif_slopes():
+    head = nn.make_head("plif", 4, 10, rngs=nnx.Rngs(0), num_knots=50)
+    params = nnx.state(head, nnx.Param)
+    tx = make_optimizer(0.1, optimizer="adamw", plif_learning_rate=0.5, weight_decay=0.2)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam is not strict-promotion clean
+        updates, _ = tx.update(zeros, tx.init(params), params)
+    # No gradient: Adam's part is 0 and the decoupled decay -lr * wd * w is all that is left.
+    np.testing.assert_allclose(
+        updates["decoder"][...], -0.1 * 0.2 * params["decoder"][...], rtol=1e-6
+    )
+    assert not np.any(updates["bias"][...]) and not np.any(updates["pointwise"]["raw_slopes"][...])
+
+
+def test_adamw_schedule_warms_up_linearly_then_decays_by_a_cosine():
+    config = OptimizerConfig("adamw", lr=1.0, warmup_steps=2, final_lr_fraction=0.1, clip=0)
+    tx = config.transformation(plif=False, total_steps=6)
+    params = {"w": jnp.zeros(())}
+    state, rates = tx.init(params), []
+    for _ in range(8):  # a constant gradient: each Adam step is exactly -(the step's rate)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, state = tx.update({"w": jnp.ones(())}, state, params)
+        rates.append(-float(updates["w"]))
+    cosine = [0.1 + 0.45 * (1 + np.cos(np.pi * k / 4)) for k in range(5)]
+    np.testing.assert_allclose(rates, [0.0, 0.5, *cosine, 0.1], rtol=1e-4)  # float32 Adam
+    with pytest.raises(UsageError, match="warmup_steps 2 must be below the run's 2 steps"):
+        config.transformation(plif=False, total_steps=2)
