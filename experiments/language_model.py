@@ -12,8 +12,8 @@ ReLU normalizers, PLIF, the monotone MLP, MoS (Yang et al. 2018), MoSS, MoS + PL
 
     python experiments/language_model.py --preset smoke --out_dir /tmp/lm       # seconds
     python experiments/language_model.py --preset transformer-cpu --head mos \\
-        --data_dir ../shared/data
-    python experiments/language_model.py --preset cpu-small --data_dir ../shared/data
+        --data_dir PTB_DIR
+    python experiments/language_model.py --preset cpu-small --data_dir PTB_DIR
     python experiments/language_model.py --preset paper-ptb --head sigsoftmax --out_dir runs/ptb
     python experiments/language_model.py --preset paper-ptb --head sigsoftmax \\
         --finetune_from runs/ptb --out_dir runs/ptb-finetune                      # Merity's finetune
