@@ -173,7 +173,10 @@ class Config:
 
     model: str = dataclasses.field(
         default="awd_lstm",
-        metadata={"help": "awd_lstm | transformer (its presets: transformer-smoke / -cpu / -gpu)"},
+        metadata={
+            "help": "awd_lstm | transformer (with --optimizer adamw or adam; presets "
+            "transformer-smoke, transformer-cpu, transformer-gpu)"
+        },
     )
     data: DataConfig = DataConfig()
     awd_lstm: AWDLSTMConfig = AWDLSTMConfig()
