@@ -173,7 +173,10 @@ class Config:
 
     model: str = dataclasses.field(
         default="awd_lstm",
-        metadata={"help": "awd_lstm | transformer (its presets: transformer-smoke / -cpu / -gpu)"},
+        metadata={
+            "help": "awd_lstm | transformer (with --optimizer adamw or adam; presets "
+            "transformer-smoke, transformer-cpu, transformer-gpu)"
+        },
     )
     data: DataConfig = DataConfig()
     awd_lstm: AWDLSTMConfig = AWDLSTMConfig()
@@ -378,8 +381,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Minutes per head on 2 shared CPU cores. Measured first (training steps alone, softmax):
     # 2,600 tokens/s with PTB's 2,000 most frequent words (as experiments/lm_study.py) against
-    # 1,500 with all 10,000, whose head is then half the step; so 2,000 words and two epochs,
-    # ~12 minutes with softmax, MoS (K = 3) ~1.6x. Measured runs: README.md.
+    # 1,500 with all 10,000, whose head is then half the step; so 2,000 words and two epochs:
+    # 11-15 minutes per head here (softmax, sigsoftmax, PLIF, MoS; README.md).
     "transformer-cpu": {
         **_TRANSFORMER,
         "data.vocab_size": 2000,

@@ -201,7 +201,7 @@ class OptimizerConfig:
         default="sgd",
         metadata=_help("sgd (NT-ASGD) | adam | adamw (warmup + cosine decay)", flag="optimizer"),
     )
-    lr: float = dataclasses.field(default=30.0, metadata=_help("adamw: the peak"))
+    lr: float = dataclasses.field(default=30.0, metadata=_help("learning rate; adamw: its peak"))
     plif_lr: float | None = dataclasses.field(
         default=0.02, metadata=_help("PLIF slopes' own learning rate (Ganea et al.); none: --lr")
     )
