@@ -17,6 +17,7 @@ from flax import nnx
 import bottleneck as bn
 from bottleneck.generation import sampling_log_probs
 from bottleneck.nn import AWDLSTM, Transformer
+from tests.model_jit import jit_model
 
 V, P, N, SAMPLES = 12, 2, 4, 2000
 ALPHA = 1e-3
@@ -63,17 +64,7 @@ def generate(model, prompt=None, seed=0, **options):
     return np.asarray(bn.generate(model, prompt, N, key=jax.random.key(seed), **options))
 
 
-def fast_jit(fn):
-    """``fn(model, *args)`` compiled once per model graph and shapes, at XLA's -O0."""
-    compiled = jax.jit(
-        lambda graphdef, state, *args: fn(nnx.merge(graphdef, state), *args),
-        static_argnums=0,
-        compiler_options={"xla_backend_optimization_level": 0},
-    )
-    return lambda model, *args: compiled(*nnx.split(model), *args)
-
-
-@fast_jit
+@jit_model
 def full_log_probs(model, x):
     """Log-probs ``[B, T, M]`` of a whole batch-major sequence, without any cache or state."""
     if isinstance(model, AWDLSTM):
@@ -174,7 +165,7 @@ def test_sampling_log_probs():
 def test_awd_lstm_incremental_decoding_equals_its_full_forward_pass():
     x = np.random.default_rng(0).integers(0, V, (4, P + N)).astype(np.int32)
 
-    @fast_jit
+    @jit_model
     def decode(model, x):
         first, state = model.prefill(model.init_decode_state(x.shape[0], x.shape[1]), x[:, :3])
         state, rest = jax.lax.scan(

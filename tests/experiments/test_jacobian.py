@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "jacobian.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import jacobian  # noqa: E402
+
 SMOKE_WIDTH, SMOKE_EXPERTS = 16, (2, 4)
 
 
@@ -126,9 +129,10 @@ def test_reproducible_for_a_fixed_seed(smoke, tmp_path):
         (["--num_inputs", "many"], "argument --num_inputs: expected int, got 'many'"),
     ],
 )
-def test_bad_cli_values_exit_with_a_clear_message(args, message, tmp_path):
+def test_bad_cli_values_exit_with_a_clear_message(args, message, tmp_path, capsys):
     out_dir = tmp_path / "never"
-    result = run_script(*args, "--out_dir", str(out_dir))
-    assert result.returncode == 2
-    assert message in result.stderr
+    with pytest.raises(SystemExit) as exit_info:  # in-process: it fails before computing
+        jacobian.main([*args, "--out_dir", str(out_dir)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
     assert not out_dir.exists()

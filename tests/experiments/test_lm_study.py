@@ -85,7 +85,7 @@ def test_smoke_grid_writes_every_output(smoke):
 def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, smoke, tmp_path):
     reference, _ = smoke
     out = tmp_path / "study"
-    flags = ["--out_dir", str(out)]
+    flags = ["--rank_d", "none", "--out_dir", str(out)]  # rank: the smoke grid checks it
     code, _, stderr = _run(env, *flags, "--epochs", "1")
     assert code == 0, stderr
     assert {c["epochs"] for c in _cells(out).values()} == {1}

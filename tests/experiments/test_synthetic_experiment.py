@@ -7,6 +7,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "synthetic.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import synthetic  # noqa: E402
 
 
 def _run(*args):
@@ -67,10 +69,14 @@ def test_same_seed_same_results(smoke_runs):
         (["--mesh", "vocab=8"], "xla_force_host_platform_device_count"),
     ],
 )
-def test_bad_cli_values_exit_with_message(args, message, tmp_path):
-    result = _run(*args, "--out_dir", str(tmp_path))
-    assert result.returncode == 2
-    assert message in result.stderr
+def test_bad_cli_values_exit_with_message(args, message, tmp_path, capsys):
+    # In-process: each case fails before any computation, so a subprocess would cost only
+    # JAX's start-up. The refused run leaves no config behind.
+    with pytest.raises(SystemExit) as exit_info:
+        synthetic.main([*args, "--out_dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run" / "config.json").exists()
 
 
 def test_another_experiments_folder_and_a_file_are_refused_in_one_line(tmp_path):

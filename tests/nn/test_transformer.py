@@ -24,6 +24,7 @@ from bottleneck.nn.transformer import (
     causal_attention,
     rotary_embedding,
 )
+from tests.model_jit import jit_model
 
 V, D, L, H, T, B, MAX_LEN = 24, 16, 2, 2, 8, 3, 16
 DROPOUT = {"embedding_dropout": 0.1, "residual_dropout": 0.1, "attention_dropout": 0.1}
@@ -47,23 +48,13 @@ def model(request):
     return MODELS[request.param]
 
 
-def fast_jit(fn):
-    """``fn(model, *args)`` compiled once per model graph and shapes, at XLA's -O0."""
-    compiled = jax.jit(
-        lambda graphdef, state, *args: fn(nnx.merge(graphdef, state), *args),
-        static_argnums=0,
-        compiler_options={"xla_backend_optimization_level": 0},
-    )
-    return lambda model, *args: compiled(*nnx.split(model), *args)
-
-
-@fast_jit
+@jit_model
 def evaluate(model, x, y, where, key):
     """Full log-probs, the evaluation loss through features + nll, and the training objective."""
     return model(x), model.nll(model.features(x), y, where), model.objective(x, y, key=key)
 
 
-@fast_jit
+@jit_model
 def decode(model, x, state):
     """Prefill with the first 3 tokens, then one decode step per token: log-probs [B, T - 2, M]."""
     first, state = model.prefill(state, x[:, :3])
@@ -122,7 +113,7 @@ def test_a_cache_overflow_is_nan_not_a_plausible_number():
         model.init_decode_state(B, MAX_LEN + 1)
 
 
-@fast_jit
+@jit_model
 def adapted(model, x, y, length, key):
     """The run loop's view (:class:`TransformerLanguageModel`) of a window padded after length."""
     lm = TransformerLanguageModel(model)
