@@ -22,12 +22,18 @@ Timed in the same interleaved repetitions, for the softmax step (issue 13):
   tied decoder) as one jitted function; ``step / floor`` is how far the step is from them;
 * ``softmax_scan_autodiff``: the same step with the previous ``lstm`` (below, differentiated by
   autodiff through ``jax.lax.scan``): the before/after comparison of the custom-VJP LSTM;
-* ``torch``: a PyTorch AWD-LSTM step (``benchmarks/_torch_awd_lstm.py``) when ``torch`` is
-  installed (``pip install -e ".[bench]"``), with ``torch.set_num_threads(--torch-threads)``.
+* ``torch_<n>t``: a PyTorch AWD-LSTM step (``benchmarks/_torch_awd_lstm.py``) when ``torch``
+  is installed (``pip install -e ".[bench]"``), once per thread count ``n`` in
+  ``--torch-threads`` (default ``1,2``: the issue's single-threaded reference, and the two
+  threads XLA:CPU uses on a 2-core machine), each call under ``torch.set_num_threads(n)``.
+
+For one core each, pin the whole process: ``taskset -c 0 python benchmarks/lm_step.py --heads
+softmax --torch-threads 1``. Timings of a loaded machine are not comparable across libraries:
+XLA's two threads lose a core to other jobs before a one-thread PyTorch does.
 
 Run from the repository root (a few minutes on a GPU; ``--quick`` ~5 minutes on 2 CPU cores):
 
-    python benchmarks/lm_step.py [--quick | --repeats N] [--heads softmax,plif] [--torch-threads 1]
+    python benchmarks/lm_step.py [--quick | --repeats N] [--heads softmax,plif] [--torch-threads 1,2]
         [--out benchmarks/results/lm_step.json]
 
 ``--quick`` times 3 repetitions instead of 10. The markdown table is printed and saved next to
@@ -209,7 +215,9 @@ def main() -> None:
         help="comma-separated subset of " + ", ".join(CANDIDATES),
     )
     parser.add_argument(
-        "--torch-threads", type=int, default=1, help="torch.set_num_threads of the reference"
+        "--torch-threads",
+        default="1,2",
+        help="comma-separated torch.set_num_threads values: one PyTorch reference per value",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lm_step.json"))
     args = parser.parse_args()
@@ -220,6 +228,12 @@ def main() -> None:
     if "softmax" not in names:
         names.insert(0, "softmax")  # the reference of every ratio
     repeats = args.repeats or (3 if args.quick else 10)
+    try:
+        torch_threads = [int(n) for n in args.torch_threads.split(",") if n.strip()]
+    except ValueError:
+        torch_threads = []
+    if not torch_threads or min(torch_threads) < 1:
+        parser.error(f"--torch-threads takes positive integers, got {args.torch_threads!r}")
 
     ids = np.random.default_rng(0).integers(0, VOCAB, (BPTT + 1, BATCH)).astype(np.int32)
     window = pad_window(BpttWindow(ids[:-1], ids[1:], BPTT, 1.0), BPTT)
@@ -233,15 +247,23 @@ def main() -> None:
     calls["softmax_scan_autodiff"] = baseline_step
     calls["floor"] = floor_call(AWD)
     torch_note = "not installed (pip install -e '.[bench]')"
+    torch_names = {}
     try:
         import torch
         from _torch_awd_lstm import torch_step_call
     except ImportError:
         pass
     else:
-        torch.set_num_threads(args.torch_threads)
-        torch_note = f"torch {torch.__version__}, torch.set_num_threads({args.torch_threads})"
-        calls["torch"] = torch_step_call(ids[:-1], ids[1:], vocab_size=VOCAB, **AWD)
+        torch_note = f"torch {torch.__version__}"
+        torch_step = torch_step_call(ids[:-1], ids[1:], vocab_size=VOCAB, **AWD)
+        for threads in torch_threads:
+
+            def call(threads: int = threads) -> float:
+                torch.set_num_threads(threads)
+                return torch_step()
+
+            torch_names[f"torch_{threads}t"] = threads
+            calls[f"torch_{threads}t"] = call
     progress = tqdm(total=len(calls) * (repeats + 1), desc="timing", unit="step")
     load_before = os.getloadavg()
     times = time_interleaved(calls, repeats, on_call=progress.update)
@@ -284,10 +306,10 @@ def main() -> None:
         ),
         "floor": ("the softmax step's matmuls alone", median_ratio(times["floor"], softmax)),
     }
-    if "torch" in times:
-        comparisons["torch"] = (
-            f"PyTorch AWD-LSTM step ({torch_note})",
-            median_ratio(times["torch"], softmax),
+    for name, threads in torch_names.items():
+        comparisons[name] = (
+            f"PyTorch AWD-LSTM step ({torch_note}, torch.set_num_threads({threads}))",
+            median_ratio(times[name], softmax),
         )
     table = markdown_table(header, rows)
     table += "\n" + markdown_table(
@@ -298,7 +320,8 @@ def main() -> None:
         ],
     )
     load = f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min)"
-    table += f"\n{os.cpu_count()} CPUs, {load}\n"
+    cores = len(os.sched_getaffinity(0))
+    table += f"\n{os.cpu_count()} CPUs ({cores} usable by this process), {load}\n"
     print(table, end="")
     write_results(
         args.out,
@@ -325,6 +348,7 @@ def main() -> None:
                 for name, (what, ratio) in comparisons.items()
             },
             "torch": torch_note,
+            "cores_usable": len(os.sched_getaffinity(0)),
         },
         table,
     )
