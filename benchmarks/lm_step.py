@@ -20,8 +20,9 @@ Timed in the same interleaved repetitions, for the softmax step (issue 13):
 * ``floor``: the step's own matmuls alone (the same GEMM shapes and operand layouts, forward and
   backward: LSTM input projections, the 70 recurrent products per layer each way, dW / dx, the
   tied decoder) as one jitted function; ``step / floor`` is how far the step is from them;
-* ``softmax_scan_autodiff``: the same step with the previous ``lstm`` (below, differentiated by
-  autodiff through ``jax.lax.scan``): the before/after comparison of the custom-VJP LSTM;
+* ``softmax_before``: the same step as it was when issue 13 was filed: the previous ``lstm``
+  (below, differentiated by autodiff through ``jax.lax.scan``) and the dropout masks drawn by
+  one ``jax.random.uniform`` (the same masks, unblocked): the before/after comparison;
 * ``torch_<n>t``: a PyTorch AWD-LSTM step (``benchmarks/_torch_awd_lstm.py``) when ``torch``
   is installed (``pip install -e ".[bench]"``), once per thread count ``n`` in
   ``--torch-threads`` (default ``1,2``: the issue's single-threaded reference, and the two
@@ -63,6 +64,7 @@ from _timing import (
 from flax import nnx
 from tqdm import tqdm
 
+import bottleneck._blockwise_random as blockwise_random
 import bottleneck.nn.awd_lstm as awd_lstm
 from bottleneck.data import BpttWindow
 from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel, LSTMState
@@ -114,16 +116,23 @@ def lstm_scan_autodiff(
     return outputs, final
 
 
+def uniform_in_one_draw(key: jax.Array, num: int) -> jax.Array:
+    """The baseline's dropout draw: ``jax.random.uniform`` of all masks at once (the same
+    numbers as ``bottleneck._blockwise_random.uniform``, drawn without blocks)."""
+    return jax.random.uniform(key, (num,), jnp.float32)
+
+
 @contextlib.contextmanager
-def baseline_lstm() -> Iterator[None]:
-    """Traces the model with :func:`lstm_scan_autodiff` (``LSTMLayer`` looks ``lstm`` up when
-    it is traced; a compiled step keeps what it was traced with)."""
-    new = awd_lstm.lstm
-    awd_lstm.lstm = lstm_scan_autodiff
+def baseline_step() -> Iterator[None]:
+    """Traces the model as it was when issue 13 was filed: :func:`lstm_scan_autodiff` and
+    :func:`uniform_in_one_draw` (``LSTMLayer`` and ``inverted_dropout_masks`` look them up when
+    traced; a compiled step keeps what it was traced with)."""
+    new = awd_lstm.lstm, blockwise_random.uniform
+    awd_lstm.lstm, blockwise_random.uniform = lstm_scan_autodiff, uniform_in_one_draw
     try:
         yield
     finally:
-        awd_lstm.lstm = new
+        awd_lstm.lstm, blockwise_random.uniform = new
 
 
 def floor_call(options: dict[str, Any]) -> Callable[[], Any]:
@@ -131,7 +140,7 @@ def floor_call(options: dict[str, Any]) -> Callable[[], Any]:
 
     The same GEMM shapes and operand layouts as the step: per layer the input projection, the
     T recurrent products ``h W_hh^T`` (a loop, as they depend on each other), the T products
-    ``dgates W_hh`` of the backward loop (on a transposed copy, as ``lstm``'s VJP), ``dW_hh``,
+    ``dgates W_hh`` of the backward loop, ``dW_hh``,
     ``dW_ih`` and ``dx`` over all steps; the tied decoder's logits, ``dh`` and ``dE``. Only a
     slice and an add join them, so its time is what the step would take with free elementwise
     work, free randomness and a free optimizer.
@@ -162,10 +171,9 @@ def floor_call(options: dict[str, Any]) -> Callable[[], Any]:
                 return h, h
 
             _, hs = jax.lax.scan(forward, jnp.zeros((BATCH, hidden)), gates)
-            w_hh_t = jax.lax.optimization_barrier(w_hh.T)
 
-            def backward(dh: jax.Array, g: jax.Array, w_hh_t: jax.Array = w_hh_t) -> Any:
-                return dh + g @ w_hh_t.T, None
+            def backward(dh: jax.Array, g: jax.Array, w_hh: jax.Array = w_hh) -> Any:
+                return dh + g @ w_hh, None
 
             dh, _ = jax.lax.scan(backward, jnp.zeros((BATCH, hidden)), gates, reverse=True)
             results += [
@@ -240,11 +248,11 @@ def main() -> None:
     calls = {name: step_call(name, window) for name in names}
     baseline = step_call("softmax", window)
 
-    def baseline_step() -> Any:
-        with baseline_lstm():
+    def before() -> Any:
+        with baseline_step():
             return baseline()
 
-    calls["softmax_scan_autodiff"] = baseline_step
+    calls["softmax_before"] = before
     calls["floor"] = floor_call(AWD)
     torch_note = "not installed (pip install -e '.[bench]')"
     torch_names = {}
@@ -300,9 +308,9 @@ def main() -> None:
     ]  # fmt: skip
     softmax = times["softmax"]
     comparisons = {
-        "softmax_scan_autodiff": (
-            "softmax step, LSTM by autodiff through the scan (before)",
-            median_ratio(times["softmax_scan_autodiff"], softmax),
+        "softmax_before": (
+            "softmax step before: LSTM by autodiff through the scan, masks in one draw",
+            median_ratio(times["softmax_before"], softmax),
         ),
         "floor": ("the softmax step's matmuls alone", median_ratio(times["floor"], softmax)),
     }
