@@ -32,7 +32,7 @@ For one core each, pin the whole process: ``taskset -c 0 python benchmarks/lm_st
 softmax --torch-threads 1``. Timings of a loaded machine are not comparable across libraries:
 XLA's two threads lose a core to other jobs before a one-thread PyTorch does.
 
-Run from the repository root (a few minutes on a GPU; ``--quick`` ~5 minutes on 2 CPU cores):
+Run from the repository root (``--repeats 5``: about 1.5 minutes on 2 Zen 5 cores):
 
     python benchmarks/lm_step.py [--quick | --repeats N] [--heads softmax,plif] [--torch-threads 1,2]
         [--out benchmarks/results/lm_step.json]
