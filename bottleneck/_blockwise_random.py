@@ -47,7 +47,8 @@ def _is_blockwise(key: jax.Array, num: int) -> bool:
         and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
         and key.shape == ()
         and str(jax.random.key_impl(key)) == "threefry2x32"
-        and jax.config.jax_threefry_partitionable
+        # The flag's default since JAX 0.5; were it ever removed, the partitionable draw stays.
+        and getattr(jax.config, "jax_threefry_partitionable", True)
     )
 
 

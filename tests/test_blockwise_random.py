@@ -53,3 +53,17 @@ def test_vmapped_over_keys():
     got = jax.jit(jax.vmap(lambda k: uniform(k, 2 * BLOCK + 5)))(keys)
     want = jax.vmap(lambda k: jax.random.uniform(k, (2 * BLOCK + 5,)))(keys)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_original_threefry_layout_falls_back_to_jax():
+    # Without jax_threefry_partitionable, element i is no longer a function of i alone.
+    key, num = jax.random.key(2), 3 * BLOCK
+    before = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", False)
+    try:
+        assert not _blockwise_random._is_blockwise(key, num)
+        got = jax.jit(uniform, static_argnums=1)(key, num)
+        want = jax.random.uniform(key, (num,), jnp.float32)
+    finally:
+        jax.config.update("jax_threefry_partitionable", before)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
