@@ -379,10 +379,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "optimizer.lr": 0.03,
         "optimizer.warmup_steps": 2,
     },
-    # Minutes per head on 2 shared CPU cores. Measured first (training steps alone, softmax):
-    # 2,600 tokens/s with PTB's 2,000 most frequent words (as experiments/lm_study.py) against
-    # 1,500 with all 10,000, whose head is then half the step; so 2,000 words and two epochs:
-    # 11-15 minutes per head here (softmax, sigsoftmax, PLIF, MoS; README.md).
+    # Minutes per head on 2 CPU cores. Measured first (training steps alone, softmax, on a
+    # slower, loaded machine): 2,600 tokens/s with PTB's 2,000 most frequent words (as
+    # experiments/lm_study.py) against 1,500 with all 10,000, whose head is then half the step; so
+    # 2,000 words and two epochs: 11-15 minutes per head there, under 4 on an idle Zen 5
+    # (softmax, sigsoftmax, PLIF, MoS, three seeds; README.md).
     "transformer-cpu": {
         **_TRANSFORMER,
         "data.vocab_size": 2000,
