@@ -174,7 +174,14 @@ def summarize(rows: list[dict]) -> list[dict]:
     for (alpha, dim, head), group in sorted(groups.items()):
         mean = {
             k: float(np.mean([r[k] for r in group]))
-            for k in ("mode_matching", "cross_entropy", "kl", "numerical_rank", "effective_rank")
+            for k in (
+                "mode_matching",
+                "cross_entropy",
+                "kl",
+                "numerical_rank",
+                "effective_rank",
+                "near_tied_modes",
+            )
         }
         summary.append({"alpha": alpha, "d": dim, "head": head, "seeds": len(group), **mean})
     return summary

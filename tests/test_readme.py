@@ -1,6 +1,7 @@
 """README's Python blocks must run as written (the quickstart is the first thing users paste)."""
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -36,8 +37,12 @@ def test_readme_synthetic_table_is_what_the_code_computes(tmp_path):
     """A slice of the main table (d = 4, softmax and PLIF), rerun with the committed code.
 
     Each (head, d) of the study trains on its own (the task depends on alpha and seed only), so the
-    slice reproduces those rows of the full run. Tolerances: mode matching to one context of 256
-    (0.39 points: an argmax between near-equal outcomes may flip with another summation order),
+    slice reproduces those rows of the full run, bit for bit on the machine that made the table:
+    the slice compiles as the README's run did (without the suite's -O0, whose other fused
+    arithmetic moved PLIF's mode matching by 5 contexts). Tolerances for another CPU: mode
+    matching to as many contexts of 256 as this run has near-tied modes (at least one): an argmax
+    whose true mode's learned log-probability lies within 0.05 nats of another outcome's may
+    flip with another summation order (3 of PLIF's 10 did between two machines);
     cross-entropy and KL to 2e-3 nats (the table prints 3 decimals; 1000 Adam steps carry float32
     round-off that far at most), the numerical rank exactly (it is d + 2 for softmax and full for
     PLIF, far from the threshold), the effective rank within 1.
@@ -46,14 +51,17 @@ def test_readme_synthetic_table_is_what_the_code_computes(tmp_path):
     assert len(expected) == 28, "README's main table should have 7 heads x 4 d rows"
     script = README.parent / "experiments" / "synthetic.py"
     out = tmp_path / "synthetic"
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
     subprocess.run(
         [sys.executable, str(script), "--dims", "4", "--heads", "softmax,plif", "--out_dir", str(out)],
         check=True, capture_output=True, cwd=README.parent, timeout=600,
+        env={**os.environ, "XLA_FLAGS": flags.strip()},
     )  # fmt: skip
     summary = json.loads((out / "results.json").read_text())["summary"]
     for row in summary:
         mode, ce, kl, rank, effective = expected[(row["d"], row["head"])]
-        assert abs(row["mode_matching"] - mode) <= 100 / 256 + 0.05, row
+        flippable = max(1, row["near_tied_modes"])
+        assert abs(row["mode_matching"] - mode) <= 100 * flippable / 256 + 0.05, row
         assert abs(row["cross_entropy"] - ce) <= 2e-3, row
         assert abs(row["kl"] - kl) <= 2e-3, row
         assert row["numerical_rank"] == rank, row

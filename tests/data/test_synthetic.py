@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 
 import bottleneck as bn
-from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy, synthetic_metrics
+from bottleneck.data.synthetic import (
+    NEAR_TIE_NATS,
+    dirichlet_targets,
+    expected_cross_entropy,
+    synthetic_metrics,
+)
 
 
 def test_dirichlet_targets_are_distributions_and_sparse_for_small_alpha():
@@ -41,6 +46,21 @@ def test_metrics_against_numpy():
     np.testing.assert_allclose(metrics.kl, ce - entropy, rtol=1e-4)
     np.testing.assert_allclose(metrics.mode_matching, 100 * np.mean(p.argmax(-1) == lp.argmax(-1)))
     assert int(metrics.numerical_rank) == int(bn.numerical_rank(log_probs))
+    modes = p.argmax(-1)
+    margins = np.abs(
+        lp[np.arange(16), modes] - np.where(np.eye(12)[modes] > 0, -np.inf, lp).max(-1)
+    )
+    assert int(metrics.near_tied_modes) == int(np.sum(margins < NEAR_TIE_NATS))
     perfect = synthetic_metrics(targets, jnp.log(targets + 1e-30))
     assert float(perfect.mode_matching) == 100.0 and abs(float(perfect.kl)) < 1e-4
     np.testing.assert_allclose(expected_cross_entropy(targets, log_probs), ce, rtol=1e-5)
+
+
+def test_near_tied_modes_counts_the_contexts_whose_match_could_flip():
+    targets = jnp.array([[0.9, 0.1, 0.0], [0.2, 0.7, 0.1], [0.1, 0.1, 0.8]])
+    log_probs = jnp.log(
+        jnp.array([[0.50, 0.49, 0.01], [0.30, 0.40, 0.30], [0.45, 0.10, 0.45]])
+    )  # margins at the true mode: 0.02, 0.29 and exactly 0 nats
+    metrics = synthetic_metrics(targets, log_probs)
+    assert int(metrics.near_tied_modes) == 2
+    np.testing.assert_allclose(metrics.mode_matching, 100 * 2 / 3, rtol=1e-6)  # the tie: argmax 0
