@@ -13,7 +13,8 @@ parameters, as ``generate.py`` does) and measures, over the first ``--tokens`` v
 read in windows of the run's ``bptt`` (each window from its own start, no carried state):
 
 * ``logit_spread``: the mean over positions and components of max_v z_v - median_v z_v, bias
-  left out, and ``spread_bound``: the mean of 2 max_v ||w_v|| ||x||, its upper bound;
+  left out (the decoder's outputs, before a pointwise map such as PLIF's), and ``spread_bound``:
+  the mean of 2 max_v ||w_v|| ||x||, its upper bound;
 * ``input_norm``: the median ||x|| of the decoder's inputs (the latents for a mixture) and, for a
   mixture, ``latent_saturation``: the fraction of latent units with |h_k,i| > 0.95, and
   ``prior_max``: the mean largest mixture weight;
@@ -21,7 +22,9 @@ read in windows of the run's ``bptt`` (each window from its own start, no carrie
 * ``entropy`` (nats) and ``max_prob``: the mean entropy and largest probability of the predicted
   distributions.
 
-Writes RUN/logit_spread.json and prints it.
+Writes RUN/logit_spread.json and prints it. It holds ``tokens x K x M`` float32 logits at once
+(4096 tokens of a 15-component MoS over WikiText-2's 33,278 words: 8 GB): lower ``--tokens`` for
+large heads.
 """
 
 from __future__ import annotations
