@@ -140,8 +140,17 @@ class TransformerConfig:
         default=0.1, metadata={"help": "on the attention weights"}
     )
     tie_weights: bool = True
+    head_features: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "the head's input width d behind learned projections (the bottleneck, with "
+            "the trunk unchanged; tied: a factorized d-wide embedding); none: d_model"
+        },
+    )
 
     def validate(self) -> None:
+        if self.head_features is not None and self.head_features < 1:
+            raise ValueError(f"head_features must be >= 1 or none, got {self.head_features}")
         for name in ("d_model", "num_layers", "num_heads", "max_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -405,6 +414,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         "evaluation.max_logprob_tokens": 10_000,
         "evaluation.dynamic_eval_segment": 64,
         "evaluation.dynamic_eval_max_batches": 50,
+    },
+    # The trunk and schedule of experiments/lm_study.py's converged grid (docs/lm_study.md has
+    # the pilot that chose them): all of PTB's 10,000 words, the head at its own width d
+    # (--head_features, set by each cell) behind a 2-layer trunk, trained until validation stops
+    # improving or the budget ends.
+    "transformer-study": {
+        **_TRANSFORMER,
+        "transformer.d_model": 128,
+        "transformer.num_layers": 2,
+        "transformer.num_heads": 4,
+        "transformer.d_ff": 512,
+        "transformer.max_len": 128,
+        "transformer.attention_dropout": 0.0,
+        "data.batch_size": 32,
+        "data.eval_batch_size": 16,
+        "data.bptt": 64,
+        "optimizer.lr": 3e-3,
+        "optimizer.warmup_steps": 200,
+        "training.epochs": 8,
+        "training.patience": 1,
+        "head.num_components": 3,
+        "head.num_knots": 10_000,
+        "evaluation.test_batch_size": 1,
+        "evaluation.max_logprob_tokens": 0,
     },
     # A GPU-sized starting point (not run here, not tuned): GPT-2-small-like width, strong
     # dropout (PTB's million training tokens are few for 20M parameters), early stopping.

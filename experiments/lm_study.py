@@ -46,8 +46,12 @@ numerical / effective rank of each head's test log-probabilities (``rank/<head>/
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import hashlib
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,7 +72,11 @@ from bottleneck.train import (  # noqa: E402
     print_table,
     to_jsonable,
 )
-from bottleneck.train.experiment import UsageError, validate_config  # noqa: E402
+from bottleneck.train.experiment import (  # noqa: E402
+    UsageError,
+    replace_fields,
+    validate_config,
+)
 from bottleneck.train.lm_config import (  # noqa: E402
     DataConfig,
     EvaluationConfig,
@@ -81,34 +89,56 @@ from bottleneck.train.run_loop import TrainingDiverged  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+MODELS = ("transformer", "awd_lstm")
+# The AWD-LSTM study's own trunk and protocol; the Transformer's come from --trunk_preset.
+AWD_LSTM_FIELDS = (
+    "nhid", "nlayers", "dropout", "dropouth", "dropouti", "dropoute", "wdrop", "optimizer", "lr",
+    "plif_lr", "batch_size", "bptt", "nonmono",
+)  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A grid of AWD-LSTM language models: heads x bottleneck widths d x seeds."""
+    """A grid of language models: heads x bottleneck widths d x seeds, each trained to convergence."""
 
-    heads: tuple[str, ...] = ("softmax", "sigsoftmax", "plif", "mos", "moss")
-    ds: tuple[int, ...] = dataclasses.field(
-        default=(8, 16, 32), metadata={"help": "bottleneck widths d (emsize = head input)"}
+    model: str = dataclasses.field(
+        default="transformer",
+        metadata={
+            "help": "transformer (trunk and schedule: --trunk_preset) | awd_lstm (the fields "
+            "nhid ... nonmono)"
+        },
     )
-    seeds: tuple[int, ...] = (1, 2)
+    trunk_preset: str = dataclasses.field(
+        default="transformer-study",
+        metadata={
+            "help": "transformer: the experiments/language_model.py preset that gives the trunk, "
+            "optimizer and schedule of every cell (the cell sets head, d, seed, data, budget)"
+        },
+    )
+    heads: tuple[str, ...] = ("softmax", "sigsoftmax", "plif", "mos")
+    ds: tuple[int, ...] = dataclasses.field(
+        default=(16, 32, 64, 128), metadata={"help": "bottleneck widths d (the head's input)"}
+    )
+    seeds: tuple[int, ...] = (1, 2, 3)
     corpus: str = dataclasses.field(default="ptb", metadata={"help": "ptb | wikitext2"})
     data_dir: str | None = dataclasses.field(
         default=None, metadata={"help": "folder with the release files; none: download"}
     )
     vocab_size: int | None = dataclasses.field(
-        default=2000, metadata={"help": "most frequent training words kept, others <unk>"}
+        default=None,
+        metadata={"help": "most frequent training words kept, others <unk>; none: all"},
     )
-    # the model (the same trunk in every cell)
+    num_components: int = dataclasses.field(default=3, metadata={"help": "K of the mixtures"})
+    num_knots: int = dataclasses.field(default=10_000, metadata={"help": "PLIF knots"})
+    # the AWD-LSTM's trunk (--model awd_lstm only: the same in every cell)
     nhid: int = 128
     nlayers: int = 2
-    num_components: int = dataclasses.field(default=3, metadata={"help": "K of mos / moss"})
-    num_knots: int = dataclasses.field(default=10_000, metadata={"help": "PLIF knots"})
     dropout: float = 0.1
     dropouth: float = 0.1
     dropouti: float = 0.1
     dropoute: float = 0.0
     wdrop: float = 0.1
-    # training (the same protocol for every head)
+    # the AWD-LSTM's training (--model awd_lstm only; the same protocol for every head)
     optimizer: str = dataclasses.field(default="sgd", metadata={"help": "sgd (NT-ASGD) | adam"})
     lr: float = 20.0
     plif_lr: float = dataclasses.field(default=0.02, metadata={"help": "PLIF slopes' own lr"})
@@ -123,19 +153,36 @@ class Config:
     eval_tokens: int | None = dataclasses.field(
         default=None, metadata={"help": "first N validation / test tokens only; none: all"}
     )
-    epochs: int = dataclasses.field(default=2, metadata={"help": "budget per cell"})
+    epochs: int = dataclasses.field(default=12, metadata={"help": "budget per cell"})
     patience: int = dataclasses.field(default=2, metadata={"help": "early-stopping patience"})
     # the rank analysis
     rank_d: int | None = dataclasses.field(
-        default=8, metadata={"help": "d whose first seed's test log-probs are ranked; none: skip"}
+        default=16, metadata={"help": "d whose first seed's test log-probs are ranked; none: skip"}
     )
     rank_tokens: int = dataclasses.field(default=4000, metadata={"help": "test rows ranked"})
     rank_vocab: int = dataclasses.field(
         default=4000, metadata={"help": "vocabulary columns ranked (a random subset if fewer)"}
     )
+    results_csv: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "a CSV of finished cells kept apart from --out_dir (e.g. committed): each "
+            "finished cell's row is merged into it at once, and a cell whose row there has the "
+            "same config is not run again, even without its run folder"
+        },
+    )
+    after_cell: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "a shell command run after each finished cell (its name in $CELL, the CSV in "
+            "$RESULTS_CSV), e.g. to commit --results_csv"
+        },
+    )
     out_dir: str = "runs/lm_study"
 
     def validate(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         unknown = [h for h in self.heads if h not in HEAD_NAMES]
         if unknown:
             raise ValueError(f"unknown head(s) {unknown}; choose from {', '.join(HEAD_NAMES)}")
@@ -152,14 +199,50 @@ class Config:
         for name in ("rank_tokens", "rank_vocab"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.model == "transformer":
+            if self.trunk_preset not in language_model.PRESETS:
+                raise ValueError(
+                    f"trunk_preset {self.trunk_preset!r} is not a preset of language_model.py; "
+                    f"choose one of {', '.join(language_model.PRESETS)}"
+                )
+            changed = [
+                name for name in AWD_LSTM_FIELDS
+                if getattr(self, name) != getattr(Config, name)
+            ]  # fmt: skip
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} apply to --model awd_lstm; the Transformer's trunk and "
+                    "schedule come from --trunk_preset"
+                )
         # Everything else is checked by the language model's own Config, for every cell, now.
         for head in self.heads:
             validate_config(cell_config(self, head, self.ds[0], self.seeds[0]))
 
 
+_AWD_LSTM = {"model": "awd_lstm", "ds": (8, 16, 32), "rank_d": 8}
 PRESETS: dict[str, dict[str, Any]] = {
-    # Seconds: the fixture corpus, a tiny trunk, every stage (resume, rank, table, plots).
+    # The negative control: a vocabulary no wider than d, where no head has a rank bottleneck
+    # (64 words incl. <unk> and <eos>, d = 64): the heads should tie within the seed spread.
+    "control": {"vocab_size": 64, "ds": (64,), "rank_d": 64, "rank_vocab": 64},
+    # Seconds: the fixture corpus, a tiny Transformer, every stage (resume, rank, table, plots).
     "smoke": {
+        "trunk_preset": "transformer-smoke",
+        "data_dir": str(language_model.FIXTURES_DIR),
+        "heads": ("softmax", "mos"),
+        "ds": (4,),
+        "seeds": (1,),
+        "num_components": 2,
+        "num_knots": 100,
+        "epochs": 2,
+        "train_tokens": 200,
+        "eval_tokens": 100,
+        "rank_d": 4,
+        "rank_tokens": 50,
+        "rank_vocab": 50,
+    },
+    # The same for the AWD-LSTM.
+    "awd-smoke": {
+        **_AWD_LSTM,
         "data_dir": str(language_model.FIXTURES_DIR),
         "heads": ("softmax", "mos"),
         "ds": (4,),
@@ -177,12 +260,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rank_tokens": 50,
         "rank_vocab": 50,
     },
-    # For a GPU: the seeds' heads at wider bottlenecks, three seeds, a longer budget.
-    "full": {
+    # The AWD-LSTM grid of docs/lm_study.md (2 epochs on a 2,000-word PTB: not converged).
+    "awd-2epoch": {
+        **_AWD_LSTM,
+        "heads": ("softmax", "sigsoftmax", "plif", "mos", "moss"),
+        "seeds": (1, 2),
+        "vocab_size": 2000,
+        "epochs": 2,
+    },
+    # For a GPU: the AWD-LSTM at wider bottlenecks, three seeds, a longer budget.
+    "awd-full": {
+        **_AWD_LSTM,
         "heads": ("softmax", "sigsoftmax", "plif", "mos", "moss", "mos_plif", "monotone_mlp"),
         "ds": (16, 32, 64, 128, 256),
-        "seeds": (1, 2, 3),
-        "vocab_size": None,
         "nhid": 512,
         "nlayers": 3,
         "num_components": 8,
@@ -207,6 +297,8 @@ def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.
     """The language-model config of one cell (its own folder; the prepared corpus is shared)."""
     root = Path(config.out_dir)
     ranked = head in config.heads and d == config.rank_d and seed == config.seeds[0]
+    if config.model == "transformer":
+        return _transformer_cell(config, head, d, seed, ranked)
     return language_model.Config(
         data=DataConfig(
             corpus=config.corpus,
@@ -243,6 +335,33 @@ def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.
     )
 
 
+def _transformer_cell(
+    config: Config, head: str, d: int, seed: int, ranked: bool
+) -> language_model.Config:
+    """The trunk preset with this cell's head, width, seed, data and budget replaced."""
+    root = Path(config.out_dir)
+    changes = {
+        **language_model.PRESETS[config.trunk_preset],
+        "data.corpus": config.corpus,
+        "data.data_dir": config.data_dir,
+        "data.tfds_dir": str(root / "tfds"),
+        "data.vocab_size": config.vocab_size,
+        "data.train_tokens": config.train_tokens,
+        "data.eval_tokens": config.eval_tokens,
+        "transformer.head_features": d,
+        "head.name": head,
+        "head.num_components": config.num_components,
+        "head.num_knots": config.num_knots,
+        "training.epochs": config.epochs,
+        "training.patience": config.patience,
+        "evaluation.dynamic_eval": False,
+        "evaluation.max_logprob_tokens": config.rank_tokens if ranked else 0,
+        "seed": seed,
+        "out_dir": str(root / "cells" / cell_name(head, d, seed)),
+    }
+    return replace_fields(language_model.Config(), changes)
+
+
 def finished_results(cell: language_model.Config) -> dict[str, Any] | None:
     """The cell's results if it finished with exactly this config (else it must run or resume)."""
     root = Path(cell.out_dir)
@@ -274,21 +393,138 @@ def learning_curve(cell: language_model.Config) -> list[dict[str, Any]]:
     return [line for line in lines if line.get("event") == "epoch"]
 
 
-def cell_row(head: str, d: int, seed: int, results: dict[str, Any], curve: list) -> dict:
-    row: dict[str, Any] = {"head": head, "d": d, "seed": seed, "status": results["status"]}
+# A cell converged when early stopping ended it, or when its last three epochs improved the
+# validation perplexity by less than this fraction in all.
+CONVERGED_IMPROVEMENT = 0.005
+# The columns of --results_csv, in order (one row per cell).
+RESULT_COLUMNS = (
+    "corpus", "model", "vocab_size", "head", "d", "seed", "valid_ppl", "test_ppl", "epochs",
+    "best_epoch", "stop_reason", "converged", "seconds_per_epoch", "train_seconds", "params",
+    "valid_curve", "commit", "config_sha",
+)  # fmt: skip
+
+
+def converged(stop_reason: str, valid_ppls: list[float]) -> bool:
+    """The study's criterion: stopped early, or the last 3 epochs improved validation < 0.5%.
+
+    Example:
+      >>> converged("epoch budget (6)", [300.0, 200.0, 150.0, 149.0, 148.9, 148.8])
+      True
+      >>> converged("epoch budget (4)", [300.0, 200.0, 150.0, 140.0])
+      False
+    """
+    if stop_reason.startswith("early"):
+        return True
+    if len(valid_ppls) < 4:
+        return False
+    before, best_after = valid_ppls[-4], min(valid_ppls[-3:])
+    return (before - best_after) / before < CONVERGED_IMPROVEMENT
+
+
+def config_sha(cell: language_model.Config) -> str:
+    """A digest of what makes a cell's result: its config without folders and evaluation."""
+    tree = to_jsonable(cell)
+    tree.pop("out_dir")
+    tree.pop("evaluation")
+    tree["data"] = {k: v for k, v in tree["data"].items() if k not in ("data_dir", "tfds_dir")}
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def code_commit() -> str:
+    """The commit of the code running the study, ``-dirty`` if its library or scripts differ."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "bottleneck", "experiments"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha[:12] + ("-dirty" if dirty else "")
+
+
+def cell_row(
+    config: Config, cell: language_model.Config, results: dict[str, Any], curve: list
+) -> dict:
+    """One cell's result row (the columns of :data:`RESULT_COLUMNS` when it finished)."""
+    row: dict[str, Any] = {
+        "corpus": config.corpus,
+        "model": config.model,
+        "vocab_size": config.vocab_size,
+        "head": cell.head.name,
+        "d": _cell_d(config, cell),
+        "seed": cell.seed,
+        "status": results["status"],
+    }
     if results["status"] != "done":
         return {**row, "error": results["error"]}
+    valid = [r["valid_ppl"] for r in curve]
     return {
         **row,
         "valid_ppl": results["valid_ppl"],
         "test_ppl": results["test_ppl"],
         "epochs": results["epochs_trained"],
-        "best_epoch": 1 + int(np.argmin([r["valid_loss"] for r in curve])) if curve else None,
+        "best_epoch": 1 + int(np.argmin(valid)) if valid else None,
         "stop_reason": results["stop_reason"],
-        "train_seconds": sum(r["seconds"] for r in curve),
+        "converged": converged(results["stop_reason"], valid),
         "seconds_per_epoch": results["seconds_per_epoch"],
+        "train_seconds": sum(r["seconds"] for r in curve),
         "params": results["num_params"],
+        "valid_curve": " ".join(f"{v:.2f}" for v in valid),
+        "commit": code_commit(),
+        "config_sha": config_sha(cell),
     }
+
+
+def _cell_d(config: Config, cell: language_model.Config) -> int:
+    if config.model == "transformer":
+        return cell.transformer.head_features
+    return cell.awd_lstm.emsize
+
+
+def read_results_csv(path: Path) -> dict[tuple[str, int, int, str], dict[str, Any]]:
+    """Rows of a results CSV by (head, d, seed, config_sha), values typed as :func:`cell_row`."""
+    if not path.is_file():
+        return {}
+    rows = {}
+    with path.open(newline="") as f:
+        for raw in csv.DictReader(f):
+            row: dict[str, Any] = dict(raw)
+            for name in ("d", "seed", "epochs", "best_epoch", "params"):
+                row[name] = int(row[name])
+            for name in ("valid_ppl", "test_ppl", "seconds_per_epoch", "train_seconds"):
+                row[name] = float(row[name])
+            row["vocab_size"] = int(row["vocab_size"]) if row["vocab_size"] else None
+            row["converged"] = row["converged"] == "True"
+            row["status"] = "done"
+            rows[(row["head"], row["d"], row["seed"], row["config_sha"])] = row
+    return rows
+
+
+def merge_results_csv(path: Path, row: dict[str, Any]) -> None:
+    """Writes ``row`` into the CSV at ``path``, replacing the row of the same cell (atomically)."""
+    rows = read_results_csv(path)
+    key = (row["head"], row["d"], row["seed"])
+    kept = [r for k, r in rows.items() if k[:3] != key] + [row]
+    kept.sort(key=lambda r: (r["vocab_size"] or 0, r["d"], r["head"], r["seed"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in kept:
+            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in RESULT_COLUMNS})
+    os.replace(tmp, path)
+
+
+def curve_from_row(row: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"epoch": i + 1, "valid_ppl": float(v)} for i, v in enumerate(row["valid_curve"].split())
+    ]
 
 
 def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]]:
@@ -312,6 +548,7 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
                 "valid_ppl": float(valid.mean()),
                 "epochs": float(np.mean([r["epochs"] for r in cells])),
                 "early_stopped": sum(r["stop_reason"].startswith("early") for r in cells),
+                "converged": sum(bool(r["converged"]) for r in cells),
                 "s_per_epoch": float(np.median([r["seconds_per_epoch"] for r in cells])),
                 "params": cells[0]["params"],
             }
@@ -325,17 +562,19 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
 
 def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Config) -> str:
     lines = [
-        f"# LM study: {config.corpus}, heads x d x seeds {list(config.seeds)}",
+        f"# LM study: {config.model} on {config.corpus} "
+        f"({config.vocab_size or 'all'} words), heads x d x seeds {list(config.seeds)}",
         "",
         "Test perplexity of the best-validation model, mean ± std over seeds; gain = softmax's "
         "mean test perplexity at the same d minus the head's (positive: better than softmax). "
         f"Budget {config.epochs} epochs per cell, early stopping with patience {config.patience}; "
         "'stopped early' counts the seeds whose validation perplexity stopped improving before "
-        "the budget ended.",
+        "the budget ended; 'converged' those stopped early or whose last three epochs improved "
+        f"validation by less than {100 * CONVERGED_IMPROVEMENT:g}% in all.",
         "",
         "| d | head | test ppl | gain (ppl) | gain (%) | valid ppl | epochs | stopped early "
-        "| s/epoch | params |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| converged | s/epoch | params |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for e in table:
         std = f" ± {e['test_std']:.1f}" if e["test_std"] is not None else ""
@@ -344,7 +583,7 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         lines.append(
             f"| {e['d']} | {e['head']} | {e['test_ppl']:.1f}{std} | {gain} | {pct} | "
             f"{e['valid_ppl']:.1f} | {e['epochs']:.1f} | {e['early_stopped']}/{e['seeds']} | "
-            f"{e['s_per_epoch']:.0f} | {e['params']:,} |"
+            f"{e['converged']}/{e['seeds']} | {e['s_per_epoch']:.0f} | {e['params']:,} |"
         )
     failed = [r for r in rows if r["status"] != "done"]
     if failed:
@@ -435,13 +674,30 @@ def run_study(config: Config) -> dict[str, Any]:
     run = open_run(root, config, resume=True)
     start = time.perf_counter()
     rows, curves = [], {}
+    results_csv = None if config.results_csv is None else Path(config.results_csv)
+    recorded = {} if results_csv is None else read_results_csv(results_csv)
     cells = [(h, d, s) for s in config.seeds for d in config.ds for h in config.heads]
     for i, (head, d, seed) in enumerate(cells):
         cell = cell_config(config, head, d, seed)
-        print(f"\n=== cell {i + 1}/{len(cells)}: {cell_name(head, d, seed)} ===", flush=True)
+        name = cell_name(head, d, seed)
+        row = recorded.get((head, d, seed, config_sha(cell)))
+        if row is not None and finished_results(cell) is None:
+            print(f"=== cell {i + 1}/{len(cells)}: {name}: recorded in {results_csv} ===")
+            curves[(head, d, seed)] = curve_from_row(row)
+            rows.append(row)
+            continue
+        print(f"\n=== cell {i + 1}/{len(cells)}: {name} ===", flush=True)
         results = run_cell(cell)
         curves[(head, d, seed)] = learning_curve(cell)
-        rows.append(cell_row(head, d, seed, results, curves[(head, d, seed)]))
+        row = cell_row(config, cell, results, curves[(head, d, seed)])
+        rows.append(row)
+        if row["status"] == "done" and results_csv is not None:
+            if (head, d, seed, row["config_sha"]) not in recorded:
+                merge_results_csv(results_csv, row)
+                recorded[(head, d, seed, row["config_sha"])] = row
+        if row["status"] == "done" and config.after_cell:
+            env = {**os.environ, "CELL": name, "RESULTS_CSV": str(results_csv or "")}
+            subprocess.run(config.after_cell, shell=True, env=env, check=False)
     table = summarize(rows, config)
     ranks = rank_cells(config, run) if config.rank_d is not None else []
     study = {

@@ -5,7 +5,7 @@ Data flow of one forward pass over ``tokens [B, T]`` (batch-major)::
     token embedding (+ learned positions) -> dropout
     -> L x pre-norm block:  x = x + drop(attn(norm(x)))      (causal; RoPE on q and k)
                             x = x + drop(mlp(norm(x)))       (GELU)
-    -> final norm -> head (log-probs / chunked loss)
+    -> final norm -> [head_features: projection to d] -> head (log-probs / chunked loss)
 
 The architecture is GPT-2's (Radford et al. 2019, "Language Models are Unsupervised Multitask
 Learners": pre-norm blocks, a final norm, ``N(0, 0.02)`` initialisation with the residual
@@ -13,7 +13,9 @@ projections scaled by ``1 / sqrt(2 L)``), with rotary position embeddings (Su et
 "RoFormer: Enhanced Transformer with Rotary Position Embedding") by default and learned
 absolute positions as an option, RMSNorm or LayerNorm. The head is any of
 :data:`bottleneck.nn.HEAD_NAMES` and sits at ``d_model``: the softmax bottleneck is
-``rank <= d_model + 1`` exactly as for the AWD-LSTM.
+``rank <= d_model + 1`` exactly as for the AWD-LSTM. With ``head_features = d`` the head sits at a
+width ``d`` of its own, behind a learned projection, while the trunk stays as it is: the
+bottleneck can then be tightened without shrinking the model.
 
 The pure functions come first; :class:`Transformer` holds the parameters and calls them.
 Randomness is explicit as in :mod:`bottleneck.nn.awd_lstm`: a forward pass draws its dropout
@@ -188,6 +190,21 @@ def _linear(
     )
 
 
+def _projection(
+    in_features: int, out_features: int, *, rngs: nnx.Rngs, param_dtype: Any
+) -> nnx.Linear:
+    """A bias-free change of width drawn ``N(0, 1 / in_features)`` (scale-preserving)."""
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=False,
+        kernel_init=_normal(1.0 / math.sqrt(in_features)),
+        dtype=param_dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+    )
+
+
 def _norm(kind: str, features: int, *, rngs: nnx.Rngs, param_dtype: Any) -> nnx.Module:
     """RMSNorm or LayerNorm, normalising in float32 whatever the parameters' dtype."""
     norm = nnx.RMSNorm if kind == "rmsnorm" else nnx.LayerNorm
@@ -284,9 +301,23 @@ class Transformer(nnx.Module):
     ("mos", "moss", "mos_plif") gets ``latent_features = d_model`` so that its decoder can be
     tied to the embedding, as in :class:`~bottleneck.nn.AWDLSTM`.
 
+    ``head_features = d`` puts the head at its own width ``d`` (the bottleneck) with the trunk
+    unchanged: the final-normed features pass through a learned projection
+    ``h = P_out x`` (``d_model -> d``, no bias) into the head, so a softmax head's
+    log-probabilities have rank ``<= d + 1`` whatever ``d_model`` is. With tied weights the token
+    embedding is factorized as in ALBERT (Lan et al. 2020): a table ``E [M, d]``, shared with the
+    head's decoder, and a projection ``P_in`` (``d -> d_model``, no bias) into the residual stream,
+    so that the one table is both the input embedding and the ``d``-wide decoder (also at
+    ``d = d_model``, so that every ``d`` has the same structure). Both projections
+    are drawn ``N(0, 1 / fan_in)``, which keeps the scale of the unfactorized model: the embedded
+    tokens keep the table's ``N(0, 0.02^2)`` entries in expectation, and ``h`` has the RMS of the
+    normed features. Every cell of a study over ``d`` then shares the same trunk, and differs only
+    in ``d`` and the projections' sizes.
+
     Args:
       vocab_size: ``M``.
-      d_model: width ``d`` of the residual stream, the embedding and the head's input.
+      d_model: width of the residual stream (and of the embedding and the head's input unless
+        ``head_features`` is given).
       num_layers: ``L`` blocks.
       num_heads: attention heads; must divide ``d_model`` (with RoPE, ``d_model / num_heads``
         must be even).
@@ -305,6 +336,8 @@ class Transformer(nnx.Module):
         composition, e.g. ``lambda d, m, **kw: nn.OutputHead(d, m, normalizer="sigsoftmax",
         num_components=3, **kw)`` (``tied_embedding`` is passed when ``tie_weights``).
       tie_weights: share the token embedding with the head's decoder (Press & Wolf 2017).
+      head_features: ``d``, the head's input width behind learned projections (see above);
+        ``None``: the head reads the ``d_model``-wide features directly.
       param_dtype: dtype of the parameters; projections compute in it, while norms, attention
         softmax, the residual stream and the head's logits stay float32.
       rngs: NNX random streams (``params``) for the initialisation.
@@ -329,11 +362,14 @@ class Transformer(nnx.Module):
         rope_base: float = 10_000.0,
         head: str | Callable[..., OutputHead] = "softmax",
         tie_weights: bool = True,
+        head_features: int | None = None,
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
         **head_options: Any,
     ):
         d_ff = 4 * d_model if d_ff is None else d_ff
+        if head_features is not None and head_features < 1:
+            raise ValueError(f"head_features must be >= 1 or None, got {head_features}")
         for name, value in (
             ("vocab_size", vocab_size),
             ("d_model", d_model),
@@ -373,12 +409,22 @@ class Transformer(nnx.Module):
         self.residual_dropout = residual_dropout
         self.attention_dropout = attention_dropout
         dtype = {"param_dtype": param_dtype, "rngs": rngs}
+        self.head_features = head_features
+        head_width = d_model if head_features is None else head_features
+        factorized = head_features is not None and tie_weights
+        embedding_width = head_width if factorized else d_model
         # On a vocabulary-parallel mesh the table has the head's padded rows (zeros, never read).
         self.embedding = nnx.Embed(
             padded_vocab_size(vocab_size),
-            d_model,
+            embedding_width,
             embedding_init=padded_rows_init(_normal(INIT_STD), vocab_size),
             **dtype,
+        )
+        self.embedding_projection = (
+            _projection(embedding_width, d_model, **dtype) if factorized else None
+        )
+        self.head_projection = (
+            None if head_features is None else _projection(d_model, head_features, **dtype)
         )
         self.position_embedding = (
             nnx.Embed(max_len, d_model, embedding_init=_normal(INIT_STD), **dtype)
@@ -407,14 +453,14 @@ class Transformer(nnx.Module):
                     f"head_options {sorted(head_options)} apply to preset names; a head factory "
                     "takes its own options"
                 )
-            self.head = head(d_model, vocab_size, rngs=rngs, **tied)
+            self.head = head(head_width, vocab_size, rngs=rngs, **tied)
             if not isinstance(self.head, OutputHead):
                 raise ValueError(f"head factory must return an nn.OutputHead, got {self.head!r}")
         else:
             if is_mixture_preset(head):
-                head_options = {"latent_features": d_model, **head_options}
+                head_options = {"latent_features": head_width, **head_options}
             self.head = make_head(
-                head, d_model, vocab_size, rngs=rngs, param_dtype=param_dtype, **tied,
+                head, head_width, vocab_size, rngs=rngs, param_dtype=param_dtype, **tied,
                 **head_options,
             )  # fmt: skip
 
@@ -453,7 +499,10 @@ class Transformer(nnx.Module):
         Dropout (``key``) is for training windows; decoding with a ``cache`` passes none.
         """
         batch, steps = tokens.shape
-        x = jnp.take(self.embedding.embedding[...], tokens, axis=0).astype(jnp.float32)
+        x = jnp.take(self.embedding.embedding[...], tokens, axis=0)
+        if self.embedding_projection is not None:
+            x = self.embedding_projection(x)
+        x = x.astype(jnp.float32)
         if self.position_embedding is not None:
             table = self.position_embedding.embedding[...]
             x = x + jnp.take(table, positions, axis=0).astype(jnp.float32)
@@ -488,7 +537,11 @@ class Transformer(nnx.Module):
         return self._forward(tokens, positions, None, key)[0]
 
     def _head_input(self, features: jax.Array) -> jax.Array:
-        return features.astype(self.param_dtype)
+        """The head's input ``[..., d]``: the features, projected to ``head_features`` if set."""
+        features = features.astype(self.param_dtype)
+        if self.head_projection is not None:
+            features = self.head_projection(features)
+        return features
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Deterministic log-probabilities ``[B, T, M]`` of the next token at every position."""

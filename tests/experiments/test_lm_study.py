@@ -1,11 +1,14 @@
-"""experiments/lm_study.py: the smoke grid end to end, resuming cells, a failing cell.
+"""experiments/lm_study.py: the smoke grids end to end (Transformer and AWD-LSTM), resuming
+cells from their folders or from a results CSV, a failing cell.
 
 Subprocesses share one persistent JAX compilation cache (and XLA's fast compile mode), so the
 cells after the first compile little.
 """
 
+import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +33,9 @@ def env(tmp_path_factory):
     }
 
 
-def _run(env, *args):
+def _run(env, *args, preset="smoke"):
     process = subprocess.run(
-        [sys.executable, str(SCRIPT), "--preset", "smoke", *args],
+        [sys.executable, str(SCRIPT), "--preset", preset, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     return process.returncode, process.stdout, process.stderr
@@ -48,7 +51,7 @@ def _cells(out):
 @pytest.fixture(scope="module")
 def smoke(env, tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
-    code, stdout, stderr = _run(env, "--out_dir", str(out))
+    code, stdout, stderr = _run(env, "--out_dir", str(out), "--results_csv", str(out / "rows.csv"))
     assert code == 0, stderr
     return out, stdout
 
@@ -80,17 +83,82 @@ def test_smoke_grid_writes_every_output(smoke):
     assert (out / "rank" / "mos" / "spectrum.png").exists()
     text = (out / "study.md").read_text()
     assert "| 4 | mos |" in text and "numerical rank" in text
+    # The Transformer's head reads d = 4 features of a wider trunk (the preset's d_model 8).
+    config = json.loads((out / "cells" / "mos-d4-s1" / "config.json").read_text())["config"]
+    assert config["transformer"]["head_features"] == 4 and config["transformer"]["d_model"] == 8
+    assert config["head"]["name"] == "mos" and config["model"] == "transformer"
 
 
-def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, smoke, tmp_path):
+def test_every_finished_cell_has_its_row_in_the_results_csv(smoke):
+    out, _ = smoke
+    with (out / "rows.csv").open() as f:
+        rows = {(r["head"], r["d"], r["seed"]): r for r in csv.DictReader(f)}
+    assert list(next(iter(rows.values()))) == list(lm_study.RESULT_COLUMNS)
+    for key, cell in _cells(out).items():
+        row = rows[(key[0], str(key[1]), str(key[2]))]
+        assert float(row["test_ppl"]) == cell["test_ppl"]
+        assert row["model"] == "transformer" and row["corpus"] == "ptb"
+        assert len(row["valid_curve"].split()) == cell["epochs"]
+        assert row["converged"] == str(cell["converged"]) and row["commit"]
+
+
+def test_cells_recorded_in_the_results_csv_are_not_run_again(env, smoke, tmp_path):
     reference, _ = smoke
+    rows = tmp_path / "rows.csv"
+    shutil.copy(reference / "rows.csv", rows)
+    out = tmp_path / "study"  # no cell folders: the rows alone say the cells are done
+    code, stdout, stderr = _run(env, "--rank_d", "none", "--out_dir", str(out),
+                                "--results_csv", str(rows), "--after_cell", "echo ran $CELL")  # fmt: skip
+    assert code == 0, stderr
+    assert stdout.count("recorded in") == 2 and "ran " not in stdout
+    assert not (out / "cells").exists()
+    assert _cells(out).keys() == _cells(reference).keys()
+    # Another config (a longer budget) is another result: the cell runs, its row is replaced.
+    code, stdout, stderr = _run(env, "--rank_d", "none", "--out_dir", str(out), "--heads",
+                                "softmax", "--epochs", "1", "--results_csv", str(rows),
+                                "--after_cell", "echo ran $CELL")  # fmt: skip
+    assert code == 0, stderr
+    assert "ran softmax-d4-s1" in stdout
+    with rows.open() as f:
+        epochs = {r["head"]: r["epochs"] for r in csv.DictReader(f)}
+    assert epochs == {"mos": "2", "softmax": "1"}
+
+
+@pytest.fixture(scope="module")
+def awd_smoke(env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("awd_study")
+    code, _, stderr = _run(env, "--rank_d", "none", "--out_dir", str(out), preset="awd-smoke")
+    assert code == 0, stderr
+    return out
+
+
+def test_the_awd_lstm_grid_still_runs(awd_smoke):
+    cells = _cells(awd_smoke)
+    assert sorted(cells) == [("mos", 4, 1), ("softmax", 4, 1)]
+    assert all(1 < c["test_ppl"] < 13 for c in cells.values())
+    config = json.loads((awd_smoke / "cells" / "mos-d4-s1" / "config.json").read_text())["config"]
+    assert config["model"] == "awd_lstm" and config["awd_lstm"]["emsize"] == 4
+
+
+def test_converged_is_early_stopping_or_a_flat_last_three_epochs():
+    assert lm_study.converged("early stopping (no improvement for 1 epochs)", [10.0, 11.0])
+    assert lm_study.converged("epoch budget (5)", [200.0, 100.0, 99.8, 99.7, 99.6])
+    assert not lm_study.converged("epoch budget (5)", [200.0, 100.0, 99.0, 98.0, 97.0])
+    assert not lm_study.converged("epoch budget (3)", [200.0, 199.9, 199.8])  # too few epochs
+
+
+def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, awd_smoke, tmp_path):
+    # The AWD-LSTM's SGD may extend its budget; AdamW's epochs set its schedule (refused).
+    reference = awd_smoke
     out = tmp_path / "study"
     flags = ["--rank_d", "none", "--out_dir", str(out)]  # rank: the smoke grid checks it
-    code, _, stderr = _run(env, *flags, "--epochs", "1")
+    code, _, stderr = _run(env, *flags, "--epochs", "1", preset="awd-smoke")
     assert code == 0, stderr
     assert {c["epochs"] for c in _cells(out).values()} == {1}
 
-    code, stdout, stderr = _run(env, *flags)  # the preset's 2 epochs: each cell resumes
+    code, stdout, stderr = _run(
+        env, *flags, preset="awd-smoke"
+    )  # the preset's 2 epochs: each cell resumes
     assert code == 0, stderr
     assert stdout.count("resumed") == 2
     got, want = _cells(out), _cells(reference)
@@ -99,7 +167,7 @@ def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, smoke,
         # Resumed from epoch 1's checkpoint, the cell is the uninterrupted reference cell.
         np.testing.assert_allclose(cell["test_ppl"], want[key]["test_ppl"], rtol=1e-5)
 
-    code, stdout, stderr = _run(env, *flags)  # nothing left to do
+    code, stdout, stderr = _run(env, *flags, preset="awd-smoke")  # nothing left to do
     assert code == 0, stderr
     assert "resumed" not in stdout and "epoch 1/" not in stderr
 
@@ -126,6 +194,9 @@ def test_a_failing_cell_is_recorded_and_the_others_finish(env, tmp_path):
         (["--rank_d", "16"], "rank_d 16 is not one of ds (4,)"),
         (["--lr", "nan"], "lr must be finite"),
         (["--patience", "0"], "patience must be >= 1"),
+        (["--lr", "1.0"], "lr apply to --model awd_lstm"),
+        (["--trunk_preset", "nope"], "trunk_preset 'nope' is not a preset"),
+        (["--model", "rnn"], "model must be one of transformer, awd_lstm"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(args, message, tmp_path, capsys):

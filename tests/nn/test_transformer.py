@@ -283,3 +283,41 @@ def test_any_composed_head_through_a_factory():
     np.testing.assert_allclose(loss, bn.cross_entropy(log_probs, y), rtol=1e-5)
     with pytest.raises(ValueError, match="head_options .* apply to preset names"):
         build(head=head, num_components=3)
+
+
+@pytest.mark.parametrize("head", ["softmax", "mos"])
+def test_head_features_put_the_bottleneck_behind_the_same_trunk(head):
+    d = 3  # below d_model: a softmax head's log-probs have rank <= d + 2 (output bias)
+    options = {"num_components": 2} if head == "mos" else {}
+    narrow = build(head=head, head_features=d, **options)
+    wide = build(head=head, **options)
+    assert narrow.head.in_features == d and narrow.embedding.embedding.shape[-1] == d
+    assert narrow.head.decoder is narrow.embedding.embedding  # the factorized table is tied
+    trunk = lambda m: {  # noqa: E731
+        k: v.shape for k, v in nnx.to_flat_state(nnx.state(m.blocks, nnx.Param))
+    }
+    assert trunk(narrow) == trunk(wide)
+    x = tokens((6, MAX_LEN), seed=4)
+    log_probs = narrow(x).reshape(-1, V)
+    np.testing.assert_allclose(jnp.sum(jnp.exp(log_probs), -1), 1.0, rtol=1e-5)
+    rank = int(bn.numerical_rank(log_probs))
+    if head == "softmax":
+        assert rank <= d + 2
+    else:
+        assert rank > d + 2  # the mixture breaks the bottleneck of its d-wide input
+    # The chunked loss is the full log-probs' cross-entropy, through the projection.
+    y = tokens((6, MAX_LEN), seed=5)
+    where = np.ones(y.shape, bool)
+    np.testing.assert_allclose(
+        narrow.nll(narrow.features(x), y, where),
+        bn.cross_entropy(narrow(x), y),
+        rtol=1e-5,
+    )
+
+
+def test_untied_head_features_keep_a_full_width_embedding():
+    model = build(head_features=4, tie_weights=False)
+    assert model.embedding.embedding.shape[-1] == D and model.embedding_projection is None
+    assert model.head.decoder.shape[-1] == 4 and model.head_projection is not None
+    with pytest.raises(ValueError, match="head_features must be >= 1"):
+        build(head_features=0)
