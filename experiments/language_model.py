@@ -432,7 +432,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data.bptt": 64,
         "optimizer.lr": 3e-3,
         "optimizer.warmup_steps": 200,
-        "training.epochs": 8,
+        "training.epochs": 12,
         "training.patience": 1,
         "head.num_components": 3,
         "head.num_knots": 10_000,

@@ -154,7 +154,7 @@ class Config:
         default=None, metadata={"help": "first N validation / test tokens only; none: all"}
     )
     epochs: int = dataclasses.field(default=12, metadata={"help": "budget per cell"})
-    patience: int = dataclasses.field(default=2, metadata={"help": "early-stopping patience"})
+    patience: int = dataclasses.field(default=1, metadata={"help": "early-stopping patience"})
     # the rank analysis
     rank_d: int | None = dataclasses.field(
         default=16, metadata={"help": "d whose first seed's test log-probs are ranked; none: skip"}
@@ -219,7 +219,7 @@ class Config:
             validate_config(cell_config(self, head, self.ds[0], self.seeds[0]))
 
 
-_AWD_LSTM = {"model": "awd_lstm", "ds": (8, 16, 32), "rank_d": 8}
+_AWD_LSTM = {"model": "awd_lstm", "ds": (8, 16, 32), "rank_d": 8, "patience": 2}
 PRESETS: dict[str, dict[str, Any]] = {
     # The negative control: a vocabulary no wider than d, where no head has a rank bottleneck
     # (64 words incl. <unk> and <eos>, d = 64): the heads should tie within the seed spread.

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Runs experiments/lm_study.py's grid in the background from a git worktree pinned at a commit,
+# so that later edits of the checkout do not change the code under a running grid, and commits
+# each finished cell's row of the results CSV to the checkout as it lands (the grid survives a
+# change of machine: rerun this script and the recorded cells are skipped).
+#
+#   experiments/lm_study_grid.sh COMMIT WORK_DIR RESULTS_CSV [lm_study.py flags ...]
+#
+# COMMIT: the code to run; WORK_DIR: where the pinned worktree and the cells' run folders go
+# (outside the checkout); RESULTS_CSV: a path inside the checkout, committed after each cell.
+# Example (PTB in ../shared/data/ptb):
+#   nohup experiments/lm_study_grid.sh HEAD /work/grid docs/results/ptb-transformer.csv \
+#       --data_dir ../shared/data/ptb --heads softmax,sigsoftmax,plif > /work/grid/log 2>&1 &
+set -euo pipefail
+checkout="$(cd "$(dirname "$0")/.." && pwd)"
+commit="$(git -C "$checkout" rev-parse --short=12 "$1")"
+work="$(mkdir -p "$2" && cd "$2" && pwd)"
+csv="$checkout/$3"
+shift 3
+code="$work/code-$commit"
+[ -d "$code" ] || git -C "$checkout" worktree add --detach "$code" "$commit"
+python="${PYTHON:-$checkout/.venv/bin/python}"
+commit_row='cd "'"$checkout"'" && for try in 1 2 3 4 5 6; do
+  git add -- "$RESULTS_CSV" && git commit -q -m "lm_study (partial grid): $CELL" -- "$RESULTS_CSV" && break
+  sleep 10; done'
+cd "$code"
+# The pinned worktree's library, not the checkout's editable install.
+PYTHONPATH="$code" exec "$python" experiments/lm_study.py --out_dir "$work/runs" \
+    --results_csv "$csv" --after_cell "$commit_row" "$@"
