@@ -68,6 +68,8 @@ HEAD_OPTIONS: dict[str, dict[str, Any]] = {
     "mos": {"num_components": 15},
     "moss": {"num_components": 15},
     "mos_plif": {"num_components": 15, "num_knots": 100_000, "plif_noise": 1.0},
+    # Yang et al. 2019's K = 4 (sigmoid tree); no gate sharing (random hidden states, no corpus).
+    "mixtape": {"num_components": 4},
 }
 # Fastest allowed ratio head / naive softmax cross-entropy at the PTB shape (2-core CPU).
 SPEED_TARGETS = {"softmax": 1.15, "sigsoftmax": 1.25, "plif": 1.35, "mos": 16.0}

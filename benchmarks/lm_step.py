@@ -9,7 +9,10 @@ tied embeddings, for the heads
 * ``mos``: Yang et al.'s MoS with its own PTB sizes (emsize 280, nhid 960, nhidlast 620,
   K = 15, latent dropout 0.29) at the same batch and bptt, so the same tokens per step: the
   comparison behind the seeds' "MoS ~150 s vs ~60 s per PTB epoch" (2.5x);
-* ``mos_awd``: K = 15 components on the AWD-LSTM model itself (latents of 400), for reference.
+* ``mos_awd``: K = 15 components on the AWD-LSTM model itself (latents of 400), for reference;
+* ``mixtape`` (Yang et al. 2019: K = 4, sigmoid-tree gates, one softmax over gated logits) and
+  ``mos_k4`` (MoS at the same K = 4), both on MoS's PTB sizes: Mixtape's cost against softmax
+  and against MoS at the same K (no gate sharing: this benchmark has no corpus counts).
 
 All candidates are timed interleaved in one process (``benchmarks/_timing.py``); the ratio of a
 head is the median over repetitions of its step time over softmax's in the same repetition.
@@ -82,6 +85,8 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "plif": ("plif", {**AWD, "num_knots": 100_000}),
     "mos": ("mos", {**MOS_PTB, "num_components": 15}),
     "mos_awd": ("mos", {**AWD, "num_components": 15}),
+    "mixtape": ("mixtape", {**MOS_PTB, "num_components": 4}),
+    "mos_k4": ("mos", {**MOS_PTB, "num_components": 4}),
 }
 TARGETS = {"plif": 1.10, "mos": 2.5}
 

@@ -88,3 +88,73 @@ def mixture_log_probs(
     peak = jax.lax.stop_gradient(jnp.max(joint, axis=-2, keepdims=True))
     mixed = jnp.squeeze(peak, -2) + jnp.log(jnp.sum(jnp.exp(joint - peak), axis=-2))
     return jnp.moveaxis(mixed, -1, vocab)
+
+
+def sigmoid_tree_log_weights(pre_activations: jax.Array, axis: int = -1) -> jax.Array:
+    r"""Log weights of ``K`` leaves from the ``K - 1`` sigmoid gates of a complete binary tree.
+
+    Mixtape's sigmoid tree decomposition (Yang, Luong, Salakhutdinov & Le, NeurIPS 2019,
+    Sec. 3.2): node ``n`` (heap order, root 1, children ``2n`` and ``2n + 1``) sends its mass
+    left with probability ``gamma_n = sigma(l_n)``; a leaf's weight is the product along its
+    path. For ``K = 4``:
+
+    .. math::
+       \pi_1 = \gamma_1 \gamma_2,\ \pi_2 = \gamma_1 (1 - \gamma_2),\
+       \pi_3 = (1 - \gamma_1) \gamma_3,\ \pi_4 = (1 - \gamma_1)(1 - \gamma_3)
+
+    computed in log space (``log sigma(l)`` and ``log sigma(-l)``), so the weights sum to 1
+    exactly in value and need no normalizer: ``K - 1`` sigmoids replace a softmax over ``K``.
+
+    Args:
+      pre_activations: ``[..., K - 1, ...]`` gate pre-activations ``l``, the gates on ``axis``;
+        ``K`` must be a power of two (a complete tree); ``K - 1 = 0`` gives one leaf of weight 1.
+      axis: the gate axis.
+
+    Returns:
+      ``[..., K, ...]`` log weights ``log pi`` (normalized over ``axis``), dtype at least float32.
+
+    Raises:
+      ValueError: ``K - 1 + 1`` not a power of two.
+    """
+    require_float("pre_activations", pre_activations)
+    pre = jnp.moveaxis(jnp.asarray(pre_activations), axis, -1)
+    pre = pre.astype(compute_dtype(pre))
+    num_leaves = pre.shape[-1] + 1
+    if num_leaves & (num_leaves - 1):
+        raise ValueError(
+            f"a sigmoid tree needs K - 1 gates with K a power of two, got {pre.shape[-1]} gates "
+            f"(K = {num_leaves})"
+        )
+    depth = num_leaves.bit_length() - 1
+    left, right = jax.nn.log_sigmoid(pre), jax.nn.log_sigmoid(-pre)
+    leaves = []
+    for leaf in range(num_leaves):
+        node, total = 1, jnp.zeros(pre.shape[:-1], pre.dtype)
+        for level in range(depth):
+            bit = (leaf >> (depth - 1 - level)) & 1
+            total = total + (right if bit else left)[..., node - 1]
+            node = 2 * node + bit
+        leaves.append(total)
+    return jnp.moveaxis(jnp.stack(leaves, axis=-1), -1, axis)
+
+
+def gated_logits(component_logits: jax.Array, log_weights: jax.Array, axis: int = -2) -> jax.Array:
+    r"""Mixtape's gated logits: the components' logits mixed per token by their gate priors.
+
+    .. math:: \bar z_x = \sum_{k=1}^{K} \pi_{x,k}\, z_{k,x}
+
+    (Yang et al. 2019, eq. 2 with ``z_{k,x} = h_k^\top w_x``): one softmax over ``\bar z``
+    follows, unlike MoS's mixture of ``K`` softmaxes. Mixed in linear space: the weights are
+    probabilities, and the logits are not exponentiated here.
+
+    Args:
+      component_logits: ``[..., K, M]`` logits of each component.
+      log_weights: ``[..., K, M]`` log gate priors (normalized over ``K``), broadcastable.
+      axis: the component axis (default ``-2``).
+
+    Returns:
+      ``[..., M]`` gated logits, dtype at least float32.
+    """
+    dtype = compute_dtype(component_logits, log_weights)
+    weights = jnp.exp(jnp.asarray(log_weights).astype(dtype))
+    return jnp.sum(weights * jnp.asarray(component_logits).astype(dtype), axis=axis)

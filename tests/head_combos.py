@@ -90,3 +90,17 @@ def keep_relu_off_its_kink(head: nn.OutputHead, h: jax.Array) -> jax.Array | Non
         if float(jnp.min(jnp.abs(z))) >= RELU_MARGIN:
             return bias
     raise AssertionError("no bias keeps the relu inputs off the kink")
+
+
+def loss_temp_bytes(head: nn.OutputHead, num_tokens: int) -> int:
+    """Compiled temporaries of ``value_and_grad(head.loss)`` (w.r.t. its state and ``h``) for
+    ``num_tokens`` float32 hidden states: shapes only, nothing runs."""
+    graphdef, state = nnx.split(head)
+    h = jax.ShapeDtypeStruct((num_tokens, head.in_features), jnp.float32)
+    labels = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
+
+    def loss(state, h, labels):
+        return nnx.merge(graphdef, state).loss(h, labels)
+
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, h, labels).compile()
+    return compiled.memory_analysis().temp_size_in_bytes

@@ -29,14 +29,28 @@ from head_combos import PAIRWISE_COMBOS, build_head, keep_relu_off_its_kink  # n
 MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
 # Every pair of pieces (tests/head_combos.py) runs on this mesh, the presets on every mesh.
 COMPOSITION_MESH = "data=2,vocab=4"
-PRESET_HEADS = {"softmax": 2**30, "mos_plif": 2_000}  # and their memory budgets
+# and their memory budgets; "mixtape_shared" and "mos_linear" are presets with options
+PRESET_HEADS = {
+    "softmax": 2**30,
+    "mos_plif": 2_000,
+    "mixtape": 2_000,
+    "mixtape_shared": 2_000,
+    "mos_linear": 2_000,
+}
+PRESET_NAMES = {"mixtape_shared": "mixtape", "mos_linear": "mos"}
 DIM, VOCAB_SIZE, TOKENS = 8, 37, 40  # 37 is split unevenly: padded decoder rows are exercised
+# Rows stored per vocabulary id, split on "vocab" and padded like the decoder.
+ROW_PARAMS = ("decoder", "bias", "gate_embedding", "gate_bias")
 OPTIONS = {
     "plif": {"num_knots": 64, "plif_noise": 1.0},
     "monotone_mlp": {"num_hidden": 3},
     "mos": {"num_components": 3},
     "moss": {"num_components": 3},
     "mos_plif": {"num_components": 3, "num_knots": 64, "plif_noise": 1.0},
+    "mixtape": {"num_components": 4},
+    # Counts in no order of id; 17 of 37 tokens keep their own gate, unevenly over the shards.
+    "mixtape_shared": {"token_counts": (np.arange(37) * 7) % 5, "shared_gate_below": 3},
+    "mos_linear": {"num_components": 3, "latent": "linear"},
 }
 
 
@@ -76,7 +90,7 @@ def head_case(build, mesh_spec: str) -> float:
     # A mesh changes no parameter: the decoder and bias only gain zero padding rows.
     single_params = nnx.to_pure_dict(nnx.state(single))
     for key, value in nnx.to_pure_dict(nnx.state(sharded)).items():
-        if key in ("decoder", "bias"):
+        if key in ROW_PARAMS:
             assert not np.any(np.asarray(value[VOCAB_SIZE:])), f"padding rows of {key} are not 0"
             value = value[:VOCAB_SIZE]
         assert jax.tree.all(jax.tree.map(np.array_equal, value, single_params[key])), key
@@ -92,9 +106,10 @@ def head_case(build, mesh_spec: str) -> float:
         got_loss, got_grads, got_h = _loss_and_grads(
             sharded, shard_batch(h, mesh), shard_batch(labels, mesh), shard_batch(where, mesh)
         )
-    for key in ("decoder", "bias"):
-        assert not np.any(np.asarray(got_grads[key][VOCAB_SIZE:])), "padding rows got a gradient"
-        got_grads[key] = got_grads[key][:VOCAB_SIZE]
+    for key in ROW_PARAMS:
+        if key in got_grads:
+            assert not np.any(np.asarray(got_grads[key][VOCAB_SIZE:])), f"padding rows of {key}"
+            got_grads[key] = got_grads[key][:VOCAB_SIZE]
     # 37 tokens divide over no data axis: label_log_probs pads them.
     label_log_probs = nnx.jit(lambda head, h, y: head.label_log_probs(h, y))
     want_lp = label_log_probs(single, h[:37], labels[:37])
@@ -288,7 +303,8 @@ def main() -> None:
             options = {**OPTIONS.get(name, {}), "memory_budget": memory_budget}
 
             def build(name=name, options=options):  # fresh streams: the same parameters each time
-                return nn.make_head(name, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), **options)
+                preset = PRESET_NAMES.get(name, name)
+                return nn.make_head(preset, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), **options)
 
             results[f"head:{name}:{mesh_spec}"] = head_case(build, mesh_spec)
         results[f"synthetic:{mesh_spec}"] = synthetic_case(mesh_spec)

@@ -44,7 +44,8 @@ def sharding_results():
 
 MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
 CASES = [f"compose:{combo}:data=2,vocab=4" for combo in PAIRWISE_COMBOS]
-CASES += [f"head:{name}:{mesh}" for mesh in MESHES for name in ("softmax", "mos_plif")]
+PRESET_HEADS = ("softmax", "mos_plif", "mixtape", "mixtape_shared", "mos_linear")
+CASES += [f"head:{name}:{mesh}" for mesh in MESHES for name in PRESET_HEADS]
 CASES += [f"synthetic:{mesh}" for mesh in MESHES]
 CASES += ["errors:bad_shapes", "errors:bad_labels:data=2,vocab=4", "errors:data_divides"]
 MEMORY_CASES = [f"memory:{combo}:data=2,vocab=4" for combo in PAIRWISE_COMBOS]

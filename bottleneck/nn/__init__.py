@@ -2,6 +2,7 @@
 
 from bottleneck.nn.awd_lstm import AWDLSTM
 from bottleneck.nn.heads import OutputHead
+from bottleneck.nn.mixtape import MixtapeHead
 from bottleneck.nn.models import ContextEmbeddingModel
 from bottleneck.nn.moe import DenseMoE, dense_moe
 from bottleneck.nn.pieces import (
@@ -22,6 +23,7 @@ __all__ = [
     "PLIF",
     "ContextEmbeddingModel",
     "DenseMoE",
+    "MixtapeHead",
     "MonotoneMLP",
     "Normalizer",
     "OutputHead",

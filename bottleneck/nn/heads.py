@@ -3,13 +3,14 @@ r"""Output heads: hidden states ``[..., d]`` -> log-probabilities ``[..., M]`` (
 A head is a composition, not a member of a closed list (see ``DESIGN.md``):
 
 .. math::
-   h \to [h_k = \tanh(P_k h),\ \pi = \mathrm{norm}(w_\pi h)] \to z = W h_k + b
+   h \to [h_k = \mathrm{latent}_k(h),\ \pi = \mathrm{norm}(w_\pi h)] \to z = W h_k + b
    \to f(z) \to \log g(f(z)) \to \mathrm{log\_normalize} \to \log \textstyle\sum_k \pi_k p_k
 
 :class:`OutputHead` takes its pieces as arguments: a ``pointwise`` map ``f`` (``None``,
 :class:`PLIF`, :class:`MonotoneMLP`, or any elementwise increasing callable or ``nnx.Module``),
 a ``normalizer`` (a name of :data:`NORMALIZERS` or any callable ``z -> log g(z)``) and
-``num_components`` (``> 1``: a mixture). ``head(h)`` returns full log-probabilities;
+``num_components`` (``> 1``: a mixture) with its ``latent`` map (``"tanh"``, ``"linear"`` or any
+callable). ``head(h)`` returns full log-probabilities;
 ``head.loss(h, labels, where)`` the mean NLL through the one chunked mechanism,
 :func:`bottleneck.losses.chunked_cross_entropy`, which never holds the full ``[N, M]`` logits
 (nor ``[N, K, M]``). The head holds the maths only: on a mesh (``jax.set_mesh``) the same
@@ -17,7 +18,8 @@ computation runs per device through :func:`bottleneck.sharding.run_on_mesh`.
 
 The pieces live in :mod:`bottleneck.nn.pieces`; the papers' named heads ("softmax", "plif",
 "mos", "moss", ...) are compositions built by :func:`bottleneck.nn.make_head`
-(:mod:`bottleneck.nn.presets`).
+(:mod:`bottleneck.nn.presets`); Mixtape (Yang et al. 2019), one softmax over gated logits, is
+:class:`bottleneck.nn.MixtapeHead`, a head of this family that reuses its loss machinery.
 """
 
 from __future__ import annotations
@@ -78,10 +80,12 @@ class OutputHead(nnx.Module):
     .. math::
        \log p(x \mid h) = \log \sum_{k=1}^{K} \pi_k(h)\,
        \frac{g(f(W h_k + b)_x)}{\sum_m g(f(W h_k + b)_m)}, \qquad
-       h_k = \tanh(P_k h + c_k),\ \pi = \mathrm{norm}(w_\pi^\top h)
+       h_k = \mathrm{latent}_k(h),\ \pi = \mathrm{norm}(w_\pi^\top h)
 
     with ``K = 1`` meaning ``h_1 = h`` and no prior (a plain head), a decoder ``W`` shared by
-    the components, and all mixing in log space. The prior ``pi`` is normalized by the head's
+    the components, and all mixing in log space. The latent map is a slot: Yang et al.'s
+    ``tanh(P_k h + c_k)`` (MoS, the default), identity-initialised linear facets ``P_k h``
+    (Chang & McCallum 2022), or any callable. The prior ``pi`` is normalized by the head's
     own normalizer (softmax for MoS, sigsoftmax for MoSS as in Kanai et al.), without ``f``.
 
     Args:
@@ -96,6 +100,27 @@ class OutputHead(nnx.Module):
         ``z -> log g(z)`` elementwise (e.g. ``lambda z: 2 * z``).
       num_components: ``K >= 1``; ``K > 1`` makes a mixture with latents ``h_k`` of width
         ``latent_features`` (Yang et al. 2018: 15).
+      latent: a mixture's latent map ``h [..., d] -> [h_1, ..., h_K]`` (mixtures only):
+
+        * ``"tanh"`` (default): ``h_k = tanh(P_k h + c_k)``, Yang et al. 2018 (eq. 7 of
+          "Breaking the softmax bottleneck"), ``[P_1; ...; P_K]`` one ``nnx.Linear`` (its
+          default init), exactly the parameters MoS has always had for a seed;
+        * ``"linear"``: ``h_k = P_k h``, no bias and no squashing, the linear facets of the
+          multi-facet softmax (Chang & McCallum, ACL 2022) and Softmax-CPR (Chang et al.,
+          Findings ACL 2023), each ``P_k`` initialised at the identity plus Gaussian noise of
+          std :data:`LINEAR_LATENT_NOISE` ``/ sqrt(d)``: ``||(P_k - I) h|| ~ 0.1 ||h||``
+          whatever ``d``, so at init every component is the plain head ``W h + b`` up to a
+          tenth of its logits (the mixture starts as the plain head, not as a random
+          projection of it), while the ``K`` components are distinct points from the first
+          step on: their gradients differ by ``O(0.1)`` relative, not by round-off, which
+          breaks their symmetry even when the prior is uniform. With ``d' != d`` the identity
+          is rectangular (``I[i, j] = [i == j]``, ``d' x d``): ``d' < d`` keeps the first
+          ``d'`` features of ``h``, ``d' > d`` pads with features that start as noise only.
+        * any callable or ``nnx.Module`` ``h [..., d] -> [..., K * d']``: the ``K`` latents
+          concatenated component by component (``[h_1, ..., h_K]``, component ``k`` in
+          ``[k d', (k + 1) d')``), fed to the decoder as they are (add your own squashing).
+          A module's parameters are the head's and train with it; ``latent_mask`` multiplies
+          its output. The output width is checked when the head is called.
       latent_features: ``d'``, width of each ``h_k`` and of the decoder (default ``d``;
         mixtures only).
       tied_embedding: an ``nnx.Embed`` (or its ``[M, d']`` ``nnx.Param``) whose table is used
@@ -135,6 +160,7 @@ class OutputHead(nnx.Module):
         normalizer: str | Callable[[jax.Array], jax.Array] = "softmax",
         num_components: int = 1,
         latent_features: int | None = None,
+        latent: str | Callable[[jax.Array], jax.Array] = "tanh",
         tied_embedding: nnx.Embed | nnx.Param | None = None,
         use_bias: bool = True,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -153,6 +179,20 @@ class OutputHead(nnx.Module):
                     "latent_features applies to mixtures (num_components > 1); a plain head "
                     "decodes h itself"
                 )
+        if num_components == 1 and not (isinstance(latent, str) and latent == "tanh"):
+            raise ValueError(
+                "latent applies to mixtures (num_components > 1); a plain head decodes h itself"
+            )
+        if isinstance(latent, str) and latent not in LATENTS:
+            raise ValueError(
+                f"unknown latent {latent!r}; choose one of {', '.join(LATENTS)} or pass a "
+                "callable h -> [..., K * latent_features]"
+            )
+        if not isinstance(latent, str) and not callable(latent):
+            raise ValueError(
+                f"latent must be a name ({', '.join(LATENTS)}) or a callable "
+                f"h -> [..., K * latent_features], got {latent!r}"
+            )
         if pointwise is not None and not callable(pointwise):
             raise ValueError(
                 f"pointwise must be None, an nnx.Module or a callable z -> f(z), got {pointwise!r}"
@@ -190,14 +230,20 @@ class OutputHead(nnx.Module):
             if use_bias
             else None
         )
+        # The name of the latent map ("tanh", "linear"), or "callable" for a user's.
+        self.latent_kind = latent if isinstance(latent, str) else "callable"
         if num_components > 1:
-            self.latent = nnx.Linear(
-                in_features, num_components * self.latent_features, rngs=rngs,
-                param_dtype=param_dtype,
-            )  # fmt: skip
-            self.prior = nnx.Linear(
-                in_features, num_components, use_bias=False, rngs=rngs, param_dtype=param_dtype
+            self.latent = _latent_map(
+                latent, in_features, num_components, self.latent_features, rngs, param_dtype
             )
+            self._init_mixing(rngs, param_dtype)
+
+    def _init_mixing(self, rngs: nnx.Rngs, param_dtype: Any) -> None:
+        """A mixture's parameters beyond its latents: the prior ``w_pi`` ``[d, K]``."""
+        self.prior = nnx.Linear(
+            self.in_features, self.num_components, use_bias=False, rngs=rngs,
+            param_dtype=param_dtype,
+        )  # fmt: skip
 
     @property
     def is_mixture(self) -> bool:
@@ -251,11 +297,36 @@ class OutputHead(nnx.Module):
                     "latent_mask applies to mixture heads only; this head has no latents"
                 )
             return h[..., None, :], None
-        latent = jnp.tanh(self.latent(h))
+        latent = self.latent(h)
+        width = self.num_components * self.latent_features
+        if jnp.shape(latent) != (*h.shape[:-1], width):
+            raise ValueError(
+                f"the latent map must return [..., K * latent_features] = [..., {width}] for h "
+                f"{h.shape}, got {jnp.shape(latent)}"
+            )
+        if self.latent_kind == "tanh":
+            latent = jnp.tanh(latent)
         if latent_mask is not None:
             latent = latent * latent_mask.astype(latent.dtype)
         latent = latent.reshape(*h.shape[:-1], self.num_components, self.latent_features)
-        return latent, log_normalize(self.normalizer(self.prior(h).astype(jnp.float32)))
+        return latent, self.log_prior(h)
+
+    def log_prior(self, h: jax.Array) -> jax.Array:
+        """A mixture's log prior ``log pi(h)`` ``[..., K]``, by the head's own normalizer."""
+        return log_normalize(self.normalizer(self.prior(h).astype(jnp.float32)))
+
+    def mixture_scores(
+        self, h: jax.Array, latent_mask: jax.Array | None = None, *, vocab: VocabShard
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """``h [..., d]`` -> log-scores ``[..., K, M_local]`` (padding at ``-inf``), log prior.
+
+        The components' unnormalized log-scores ``log g(f(W h_k + b))`` over this device's
+        vocabulary columns ``vocab``, and the log prior ``[..., K]`` (``None``: one component).
+        :meth:`__call__` and :meth:`token_log_probs` normalize and mix them; a head of another
+        kind (:class:`~bottleneck.nn.MixtapeHead`) overrides only this.
+        """
+        inputs, log_prior = self.components(h, latent_mask)
+        return vocab.mask_padding(self.log_scores(self.logits(inputs))), log_prior
 
     def token_log_probs(
         self,
@@ -267,8 +338,7 @@ class OutputHead(nnx.Module):
     ) -> jax.Array:
         """``log p(labels | h)`` ``[...]`` from the vocabulary columns ``vocab`` (default: all)."""
         vocab = VocabShard(self.vocab_size) if vocab is None else vocab
-        inputs, log_prior = self.components(h, latent_mask)
-        scores = vocab.mask_padding(self.log_scores(self.logits(inputs)))
+        scores, log_prior = self.mixture_scores(h, latent_mask, vocab=vocab)
         per_component = target_log_probs(
             scores,
             jnp.broadcast_to(labels[..., None], scores.shape[:-1]),
@@ -285,8 +355,7 @@ class OutputHead(nnx.Module):
     def __call__(self, h: jax.Array) -> jax.Array:
         """Full log-probabilities ``[..., M]`` for hidden states ``h [..., d]``."""
         self._check_hidden(h)
-        inputs, log_prior = self.components(h)
-        scores = VocabShard(self.vocab_size).mask_padding(self.log_scores(self.logits(inputs)))
+        scores, log_prior = self.mixture_scores(h, vocab=VocabShard(self.vocab_size))
         component_log_probs = log_normalize(scores)[..., : self.vocab_size]
         if log_prior is None:
             return component_log_probs[..., 0, :]
@@ -398,6 +467,44 @@ class OutputHead(nnx.Module):
             raise ValueError(
                 f"latent_mask must broadcast to {shape} (h {h.shape}), got {jnp.shape(latent_mask)}"
             ) from None
+
+
+# The latent maps a mixture head knows by name (any callable goes in the same slot).
+LATENTS = ("tanh", "linear")
+# Std of the identity init's noise of latent="linear", times 1 / sqrt(d): see OutputHead.
+LINEAR_LATENT_NOISE = 0.1
+
+
+def identity_plus_noise_init(noise: float, num_components: int) -> Callable[..., jax.Array]:
+    r"""Init of ``K`` linear facets as one kernel ``[d, K d']``: rectangular identities + noise.
+
+    Column block ``k`` is ``P_k^\top = I_{d \times d'} + E_k`` with ``E_k`` i.i.d.
+    ``N(0, noise^2 / d)``, so ``P_k h = h + E_k^\top h`` with ``||E_k^\top h|| \approx noise
+    \cdot ||h||`` (for ``d' = d``) at any width: the facets start as the plain head's hidden
+    state (Chang & McCallum 2022; Softmax-CPR) and differ from one another by ``noise``.
+    """
+
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        d, width = shape
+        eye = jnp.eye(d, width // num_components, dtype=dtype)
+        scale = jnp.asarray(noise / d**0.5, dtype)
+        return jnp.tile(eye, (1, num_components)) + scale * jax.random.normal(key, shape, dtype)
+
+    return init
+
+
+def _latent_map(
+    latent: Any, d: int, num_components: int, width: int, rngs: nnx.Rngs, param_dtype: Any
+) -> Any:
+    """The latent slot's map ``h [..., d] -> [..., K * width]`` (before any squashing)."""
+    if latent == "tanh":
+        return nnx.Linear(d, num_components * width, rngs=rngs, param_dtype=param_dtype)
+    if latent == "linear":
+        return nnx.Linear(
+            d, num_components * width, use_bias=False, rngs=rngs, param_dtype=param_dtype,
+            kernel_init=identity_plus_noise_init(LINEAR_LATENT_NOISE, num_components),
+        )  # fmt: skip
+    return nnx.data(latent) if isinstance(latent, nnx.Module) else latent
 
 
 def _resolve_normalizer(normalizer: Any) -> Callable[[jax.Array], jax.Array]:

@@ -16,17 +16,20 @@ from flax import nnx
 
 from bottleneck._checks import require_int
 from bottleneck.nn.heads import OutputHead
+from bottleneck.nn.mixtape import MixtapeHead
 from bottleneck.nn.pieces import PLIF, MonotoneMLP, relu_normalizer
 
 
 @dataclasses.dataclass(frozen=True)
 class _Preset:
-    """A named composition: normalizer, pointwise module and whether it is a mixture."""
+    """A named composition: normalizer, pointwise module, whether it is a mixture, head class."""
 
     normalizer: str = "softmax"
     pointwise: type[nnx.Module] | None = None
     mixture: bool = False
     defaults: tuple[tuple[str, Any], ...] = ()  # of the pointwise map's options
+    head: type[OutputHead] = OutputHead
+    num_components: int = 15  # a mixture's default K
 
 
 _PRESETS: dict[str, _Preset] = {
@@ -39,14 +42,21 @@ _PRESETS: dict[str, _Preset] = {
     "mos": _Preset(mixture=True),
     "moss": _Preset("sigsoftmax", mixture=True),  # sigsoftmax components and prior, as Kanai
     "mos_plif": _Preset(pointwise=PLIF, mixture=True, defaults=(("num_knots", 100_000),)),
+    # Yang et al. 2019: one softmax over gated logits, K = 4 with a sigmoid-tree gate.
+    "mixtape": _Preset(mixture=True, head=MixtapeHead, num_components=4),
 }
+# The presets' names: "softmax", "sigsoftmax", "sigmoid", "relu", "plif", "monotone_mlp" (one
+# distribution), "mos", "moss", "mos_plif" (mixtures of K distributions), "mixtape" (one softmax
+# over K components' gated logits).
 HEAD_NAMES = tuple(_PRESETS)
 
 # The presets' option names for a piece's constructor arguments, where they differ (configs
 # and CLIs hold PLIF's noise as "plif_noise").
 _OPTION_NAMES = {"noise": "plif_noise"}
 _CONSTRUCTOR_NAMES = {v: k for k, v in _OPTION_NAMES.items()}
-_MIXTURE_OPTIONS = ("num_components", "latent_features")
+_MIXTURE_OPTIONS = ("num_components", "latent_features", "latent")
+# Mixtape's own options (its gates), beyond a mixture's.
+_MIXTAPE_OPTIONS = ("gate", "gate_features", "token_counts", "shared_gate_below")
 
 
 def _keyword_options(callable_: Callable[..., Any]) -> tuple[str, ...]:
@@ -75,6 +85,8 @@ def _preset_options(name: str) -> tuple[str, ...]:
         options += _keyword_options(relu_normalizer)
     if preset.mixture:
         options += _MIXTURE_OPTIONS
+    if preset.head is MixtapeHead:
+        options += _MIXTAPE_OPTIONS
     return options
 
 
@@ -92,7 +104,11 @@ def make_head(
     "softmax", "sigsoftmax", "sigmoid", "relu" (option ``eps``): a normalizer; "plif"
     (``num_knots``, ``bound``, ``plif_noise``) and "monotone_mlp" (``num_hidden``): a pointwise
     map under softmax; "mos", "moss" (sigsoftmax components and prior, as Kanai et al.),
-    "mos_plif": mixtures (``num_components`` >= 2, default 15; ``latent_features``). Every
+    "mos_plif": mixtures (``num_components`` >= 2, default 15; ``latent_features``; ``latent``:
+    ``"tanh"``, the default, ``"linear"`` or a callable, see :class:`OutputHead`); "mixtape":
+    Yang et al. 2019's one softmax over gated logits (:class:`MixtapeHead`: ``num_components``
+    default 4, ``latent_features``, ``latent``, ``gate``, ``gate_features``, and gate sharing
+    by ``token_counts`` [M] with ``shared_gate_below``). Every
     preset takes :class:`OutputHead`'s common options (``tied_embedding``, ``use_bias``,
     ``memory_budget``, ``param_dtype``); any other option is a ``ValueError`` that lists those
     it does take. A seed gives the same parameters as the heads of bottleneck 0.1.0 did.
@@ -105,14 +121,15 @@ def make_head(
             f"head {name!r} takes no option {', '.join(refused)}; it takes {', '.join(accepted)}"
         )
     head_options = {k: v for k, v in options.items() if k in _HEAD_OPTIONS}
-    mixture_options = {k: v for k, v in options.items() if k in _MIXTURE_OPTIONS}
+    mixture_names = _MIXTURE_OPTIONS + _MIXTAPE_OPTIONS
+    mixture_options = {k: v for k, v in options.items() if k in mixture_names}
     piece_options = dict(preset.defaults) | {
         _CONSTRUCTOR_NAMES.get(k, k): v
         for k, v in options.items()
-        if k not in _HEAD_OPTIONS and k not in _MIXTURE_OPTIONS
+        if k not in _HEAD_OPTIONS and k not in mixture_names
     }
     if preset.mixture:
-        mixture_options.setdefault("num_components", 15)
+        mixture_options.setdefault("num_components", preset.num_components)
         require_int(
             "num_components",
             mixture_options["num_components"],
@@ -124,7 +141,7 @@ def make_head(
     normalizer = (
         relu_normalizer(**piece_options) if preset.normalizer == "relu" else preset.normalizer
     )
-    head = OutputHead(
+    head = preset.head(
         in_features, vocab_size, rngs=rngs, normalizer=normalizer, **mixture_options,
         **head_options,
     )  # fmt: skip

@@ -1,0 +1,301 @@
+r"""Mixtape (Yang, Luong, Salakhutdinov & Le, NeurIPS 2019): one softmax over gated logits.
+
+MoS mixes ``K`` softmaxes; Mixtape mixes the ``K`` components' *logits* per token and
+normalizes once ("logit space vector gating", Sec. 3.1):
+
+.. math::
+   p(x \mid c) = \frac{\exp \bar z_x}{\sum_{x'} \exp \bar z_{x'}}, \qquad
+   \bar z_x = \sum_{k=1}^{K} \pi_{c,x,k}\, h_{c,k}^\top w_x + b_x
+
+with ``K`` context embeddings ``h_{c,k}`` (the head's latent slot; Yang et al.:
+``tanh(H_k g_c)``) and token-specific gate priors ``pi_{c,x,k}`` from the pre-activations
+
+.. math::
+   l_{c,x,j} = v_x^\top \tanh(U_j g_c) + u_j^\top g_c + b_{x,j}
+
+turned into weights by a sigmoid tree (Sec. 3.2, :func:`bottleneck.mixtures.sigmoid_tree_log_weights`,
+``j = 1..K-1``) or, for ``K`` not a power of two, by a softmax over ``j = 1..K``. The gated
+logits are not bounded to rank ``d + 1`` because ``pi`` depends on both ``c`` and ``x``.
+
+Gate sharing (Sec. 3.3): the infrequent tokens share one gate, ``l_{c,*,j} = u_j^\top g_c +
+b_{*,j}``, so their gated logits are a single product ``w_x^\top \sum_k \pi_{c,*,k} h_{c,k}``
+(``[.., d'] x [d', M]``) and only the frequent tokens pay for ``K`` logits and their gates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bottleneck._checks import require_finite_number, require_int
+from bottleneck.mixtures import gated_logits, sigmoid_tree_log_weights
+from bottleneck.nn.heads import OutputHead, padded_rows_init, uniform_init
+from bottleneck.sharding import VOCAB, VocabShard, axis_size, context_mesh, vocab_rows_metadata
+
+GATES = ("sigmoid_tree", "softmax")
+# Float32 buffers per component logit (K per token with its own gate) that a chunk keeps live at
+# the peak of its value and gradient: the component logits, the gates' pre-activations and log
+# weights, their products and the gradients of each. The gated logits [C, M] add the head's
+# HEAD_BUFFERS_PER_LOGIT and the pieces' own. Measured with compiled.memory_analysis() on
+# XLA:CPU, with and without gate sharing (tests/nn/test_heads.py and tests/nn/test_mixtape.py
+# check that a chunk stays within its budget): 11.6 without sharing; with sharing the per-token
+# total fits 1.5 M + 11.5 K F for 1% to 50% frequent tokens.
+MIXTAPE_BUFFERS_PER_LOGIT = 12.0
+
+
+class MixtapeHead(OutputHead):
+    r"""Mixtape: ``K`` context embeddings, token-specific gates, one softmax over gated logits.
+
+    An :class:`OutputHead` (same ``head(h)``, ``head.loss``, ``head.label_log_probs``, latent
+    slot, tied embedding, meshes) whose mixture mixes logits, not probabilities (see the
+    module docstring for the equations, Yang et al. 2019, Sec. 3). A pointwise map and a
+    normalizer, if given, act on the gated logits (Mixtape itself: none and softmax).
+
+    Args:
+      in_features, vocab_size, rngs: as :class:`OutputHead`.
+      num_components: ``K`` (the paper: 4). ``K = 1`` is the plain head (no gates).
+      gate: ``"sigmoid_tree"`` (the paper; ``K - 1`` sigmoids, ``K`` a power of two) or
+        ``"softmax"`` (``K`` pre-activations normalized by a softmax, any ``K``). Default
+        (``None``): the tree when ``K`` is a power of two, else the softmax (so a config's
+        ``num_components=15`` works); asking for a tree with another ``K`` is a
+        ``ValueError`` (it has no complete binary tree).
+      gate_features: ``d_2``, width of ``tanh(U_j g)`` and of the token gate embeddings
+        ``v_x`` (default ``max(1, d // 4)``, our choice: a gate costs ``d_2 / d'`` of a
+        component's logits per token and gate).
+      token_counts: ``[M]`` training unigram counts, indexed by token id (ids here are in
+        first-occurrence order, not by frequency, so the head cannot guess them), e.g.
+        ``np.bincount(train_ids, minlength=M)``. With ``shared_gate_below``: tokens whose
+        count is below it share one gate. ``None`` (default): every token has its own gate.
+      shared_gate_below: the count threshold (a number > 0); given with ``token_counts``.
+      **options: :class:`OutputHead`'s (``latent``, ``latent_features``, ``tied_embedding``,
+        ``use_bias``, ``memory_budget``, ``param_dtype``, ``pointwise``, ``normalizer``).
+
+    Parameters: the decoder ``W`` and bias ``b`` as any head; ``latent`` (``H_k``);
+    ``gate_projection`` (``U_j``, ``[d, G d_2]``), ``gate_context`` (``u_j``, ``[d, G]``);
+    ``gate_embedding`` (``v_x``, ``[M, d_2]``) and ``gate_bias`` (``b_{x,j}``, ``[M, G]``)
+    stored with the decoder's padded rows and split on ``vocab`` like it (with gate sharing
+    the rows of infrequent tokens are kept but unused: zero gradient); with gate sharing
+    ``shared_gate_bias`` (``b_{*,j}``, ``[G]``). ``G = K - 1`` (tree) or ``K`` (softmax).
+
+    Memory: a chunk holds ``[C, K, M]`` component logits (with gate sharing ``[C, M]`` shared
+    logits and ``[C, K, F]`` for the ``F`` frequent tokens) and as many gate values;
+    :attr:`elements_per_token` counts the logits, :attr:`declared_buffers_per_element` the
+    buffers each costs.
+
+    Example:
+      >>> import numpy as np
+      >>> from flax import nnx
+      >>> from bottleneck import nn
+      >>> counts = np.arange(100)[::-1]  # token 0 most frequent
+      >>> head = nn.MixtapeHead(8, 100, rngs=nnx.Rngs(0), num_components=4,
+      ...                       token_counts=counts, shared_gate_below=50)
+      >>> head(jnp.ones((2, 8))).shape
+      (2, 100)
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        *,
+        rngs: nnx.Rngs,
+        num_components: int = 4,
+        gate: str | None = None,
+        gate_features: int | None = None,
+        token_counts: Sequence[float] | np.ndarray | jax.Array | None = None,
+        shared_gate_below: float | None = None,
+        **options: Any,
+    ):
+        num_components = require_int("num_components", num_components, 1)
+        power_of_two = not num_components & (num_components - 1)
+        if gate is None:
+            gate = "sigmoid_tree" if power_of_two else "softmax"
+        if gate not in GATES:
+            raise ValueError(f"unknown gate {gate!r}; choose one of {', '.join(GATES)}")
+        if gate == "sigmoid_tree" and not power_of_two:
+            raise ValueError(
+                f"gate='sigmoid_tree' needs num_components a power of two (a complete binary "
+                f"tree of K - 1 sigmoids), got {num_components}; use gate='softmax' for any K"
+            )
+        self.gate = gate
+        self.gate_features = (
+            max(1, in_features // 4)
+            if gate_features is None
+            else require_int("gate_features", gate_features, 1)
+        )
+        self.num_gates = num_components - 1 if gate == "sigmoid_tree" else num_components
+        self.frequent_rows = _frequent_rows(token_counts, shared_gate_below, vocab_size)
+        super().__init__(
+            in_features, vocab_size, rngs=rngs, num_components=num_components, **options
+        )
+
+    def _init_mixing(self, rngs: nnx.Rngs, param_dtype: Any) -> None:
+        """The gates' parameters (a Mixtape head has no context-only prior ``w_pi``)."""
+        d, d2, g = self.in_features, self.gate_features, self.num_gates
+        rows = self.decoder.shape[0]
+        linear = lambda width: nnx.Linear(  # noqa: E731
+            d, width, use_bias=False, rngs=rngs, param_dtype=param_dtype
+        )
+        self.gate_projection = linear(g * d2)
+        self.gate_context = linear(g)
+        self.gate_embedding = nnx.Param(
+            padded_rows_init(uniform_init(0.1), self.vocab_size)(
+                rngs.params(), (rows, d2), param_dtype
+            ),
+            **vocab_rows_metadata(2),
+        )
+        self.gate_bias = nnx.Param(jnp.zeros((rows, g), param_dtype), **vocab_rows_metadata(2))
+        if self.shares_gates:
+            self.shared_gate_bias = nnx.Param(jnp.zeros((g,), param_dtype))
+
+    @property
+    def shares_gates(self) -> bool:
+        """Whether infrequent tokens share one gate (``token_counts`` were given)."""
+        return self.frequent_rows is not None
+
+    @property
+    def num_frequent_columns(self) -> int:
+        """Columns that get their own gate, over all shards (padding included)."""
+        if self.frequent_rows is None:
+            return self.vocab_size
+        return len(self.frequent_rows) * len(self.frequent_rows[0])
+
+    @property
+    def elements_per_token(self) -> int:
+        """``K M``, or with gate sharing ``M + K F`` (``F`` frequent tokens, padded per shard)."""
+        if not self.is_mixture or not self.shares_gates:
+            return self.num_components * self.vocab_size
+        return self.vocab_size + self.num_components * self.num_frequent_columns
+
+    @property
+    def declared_buffers_per_element(self) -> float | None:
+        """Per element of :attr:`elements_per_token`: ``(b M + 12 K F) / elements``.
+
+        ``b``: the head's and its pieces' buffers per gated logit (``M`` per token), ``12``
+        (:data:`MIXTAPE_BUFFERS_PER_LOGIT`) per component logit of a token with its own gate
+        (``F = M`` without gate sharing).
+        """
+        declared = super().declared_buffers_per_element
+        if declared is None or not self.is_mixture:
+            return declared
+        component_logits = self.num_components * self.num_frequent_columns
+        total = declared * self.vocab_size + MIXTAPE_BUFFERS_PER_LOGIT * component_logits
+        return total / self.elements_per_token
+
+    def log_prior(self, h: jax.Array) -> None:
+        """No context-only prior: Mixtape's gates depend on the token too (:meth:`log_gates`)."""
+        return None
+
+    def log_gates(self, pre_activations: jax.Array) -> jax.Array:
+        """Gate pre-activations ``[..., G, M]`` -> log gate priors ``log pi`` ``[..., K, M]``."""
+        if self.gate == "softmax":
+            return jax.nn.log_softmax(pre_activations.astype(jnp.float32), axis=-2)
+        return sigmoid_tree_log_weights(pre_activations, axis=-2)
+
+    def token_gates(
+        self, h: jax.Array, columns: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Log gate priors ``[..., K, M_local]`` of this device's columns (or of ``columns``).
+
+        ``l_{x,j} = v_x^T tanh(U_j g) + u_j^T g + b_{x,j}`` for ``g = h``; ``columns`` (local
+        row indices, out-of-range ones read as zero rows) picks the frequent tokens.
+        """
+        lead = h.shape[:-1]
+        projected = jnp.tanh(self.gate_projection(h))
+        projected = projected.reshape(*lead, self.num_gates, self.gate_features)
+        embedding, bias = self.gate_embedding[...], self.gate_bias[...]
+        if columns is not None:
+            embedding = jnp.take(embedding, columns, axis=0, mode="fill", fill_value=0)
+            bias = jnp.take(bias, columns, axis=0, mode="fill", fill_value=0)
+        pre = jnp.einsum(
+            "...gd,md->...gm", projected, embedding, preferred_element_type=jnp.float32
+        )
+        pre = pre + self.gate_context(h).astype(jnp.float32)[..., None]
+        return self.log_gates(pre + bias.T.astype(jnp.float32))
+
+    def mixture_scores(
+        self, h: jax.Array, latent_mask: jax.Array | None = None, *, vocab: VocabShard
+    ) -> tuple[jax.Array, None]:
+        r"""Log-scores ``[..., 1, M_local]`` of the gated logits; no prior (one softmax)."""
+        if not self.is_mixture:
+            return super().mixture_scores(h, latent_mask, vocab=vocab)
+        latents, _ = self.components(h, latent_mask)  # [..., K, d']
+        decoder = self.decoder[...]
+        if not self.shares_gates:
+            z = self.gated(latents, decoder, self.token_gates(h))
+        else:
+            z = self.shared_gate_logits(h, latents, decoder)
+            frequent = self._local_frequent_columns(vocab, decoder.shape[0])
+            if frequent.size:
+                rows = jnp.take(decoder, frequent, axis=0, mode="fill", fill_value=0)
+                own = self.gated(latents, rows, self.token_gates(h, frequent))
+                z = z.at[..., frequent].set(own, mode="drop")
+        if self.bias is not None:
+            z = z + self.bias[...].astype(jnp.float32)
+        return vocab.mask_padding(self.log_scores(z))[..., None, :], None
+
+    @staticmethod
+    def gated(latents: jax.Array, decoder: jax.Array, log_gates: jax.Array) -> jax.Array:
+        """``sum_k pi_{x,k} h_k^T w_x``: ``[..., K, d']``, ``[M, d']``, ``[..., K, M]`` -> ``[..., M]``."""
+        z = jnp.einsum("...kd,md->...km", latents, decoder, preferred_element_type=jnp.float32)
+        return gated_logits(z, log_gates)
+
+    def shared_gate_logits(self, h: jax.Array, latents: jax.Array, decoder: jax.Array) -> jax.Array:
+        """``w_x^T sum_k pi_{*,k} h_k`` for every column: one ``[..., d'] x [d', M]`` product."""
+        pre = self.gate_context(h).astype(jnp.float32) + self.shared_gate_bias[...]
+        weights = jnp.exp(self.log_gates(pre[..., None])[..., 0])  # [..., K]
+        mixed = jnp.einsum("...k,...kd->...d", weights.astype(latents.dtype), latents)
+        return jnp.einsum("...d,md->...m", mixed, decoder, preferred_element_type=jnp.float32)
+
+    def _local_frequent_columns(self, vocab: VocabShard, local_rows: int) -> jax.Array:
+        """This device's frequent columns (local indices; ``local_rows`` marks padding)."""
+        table = np.asarray(self.frequent_rows, np.int32)  # [shards, F], local, padded
+        shards = table.shape[0]
+        if vocab.axis is None:  # every row here: the global indices of all shards' tokens
+            per_shard = local_rows // shards
+            globals_ = table + per_shard * np.arange(shards, dtype=np.int32)[:, None]
+            return jnp.asarray(globals_[table < per_shard])
+        if jax.lax.axis_size(vocab.axis) != shards:
+            raise ValueError(
+                f"this Mixtape head was built for {shards} vocabulary shard(s) but runs on "
+                f"{jax.lax.axis_size(vocab.axis)}; build it inside the mesh it runs on"
+            )
+        return jnp.asarray(table)[jax.lax.axis_index(vocab.axis)]
+
+
+def _frequent_rows(
+    token_counts: Any, shared_gate_below: float | None, vocab_size: int
+) -> tuple[tuple[int, ...], ...] | None:
+    """Per vocabulary shard, the local rows of tokens with ``count >= shared_gate_below``.
+
+    Padded to one length with the shard's row count (an out-of-range index: dropped); ``None``
+    without gate sharing. The shards are those of the context mesh's ``vocab`` axis.
+    """
+    if (token_counts is None) != (shared_gate_below is None):
+        raise ValueError(
+            "token_counts and shared_gate_below go together: tokens whose training count is "
+            "below shared_gate_below share one gate; give both, or neither (no sharing)"
+        )
+    if token_counts is None:
+        return None
+    require_finite_number("shared_gate_below", shared_gate_below, positive=True)
+    counts = np.asarray(token_counts)
+    if counts.shape != (vocab_size,) or not np.issubdtype(counts.dtype, np.number):
+        raise ValueError(
+            f"token_counts must be numbers of shape [vocab_size] = ({vocab_size},), one count "
+            f"per token id, got shape {counts.shape} and dtype {counts.dtype}"
+        )
+    if not np.all(np.isfinite(counts)) or np.any(counts < 0):
+        raise ValueError("token_counts must be finite and >= 0")
+    shards = axis_size(context_mesh(), VOCAB)
+    per_shard = -(-vocab_size // shards)
+    frequent = np.zeros(per_shard * shards, bool)
+    frequent[:vocab_size] = counts >= shared_gate_below
+    local = [np.flatnonzero(block) for block in frequent.reshape(shards, per_shard)]
+    width = max(len(rows) for rows in local)
+    return tuple(tuple(int(i) for i in rows) + (per_shard,) * (width - len(rows)) for rows in local)
