@@ -38,6 +38,7 @@ from bottleneck.data import (
 )
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
+from bottleneck.nn.heads import LATENTS
 from bottleneck.train.dynamic_eval import STYLES
 from bottleneck.train.experiment import UsageError
 from bottleneck.train.lm import padded_length
@@ -170,11 +171,20 @@ class HeadConfig:
     plif_bound: float = 20.0
     plif_noise: float = 0.0
     num_hidden: int = dataclasses.field(default=16, metadata=_help("monotone_mlp width"))
+    latent: str = dataclasses.field(
+        default="tanh",
+        metadata=_help(
+            "the mixtures' latent map: tanh (Yang et al.) | linear (identity-initialised facets, "
+            "Chang & McCallum 2022)"
+        ),
+    )
 
     def validate(self) -> None:
         if self.name not in HEAD_NAMES:
             raise ValueError(f"unknown head {self.name!r}; choose one of {', '.join(HEAD_NAMES)}")
         _check_positive(self, "num_components", "num_knots", "num_hidden")
+        if self.latent not in LATENTS:
+            raise ValueError(f"latent must be one of {', '.join(LATENTS)}, got {self.latent!r}")
 
     @property
     def uses_plif(self) -> bool:
@@ -189,6 +199,7 @@ class HeadConfig:
             bound=self.plif_bound,
             plif_noise=self.plif_noise,
             num_hidden=self.num_hidden,
+            latent=self.latent,
         )
 
 
