@@ -1,47 +1,53 @@
-"""Perplexity against the bottleneck width d for every head: a multi-seed language-model study.
+"""Perplexity against the bottleneck width d for every head, at convergence: a multi-seed study.
 
 The seeds' central claim (Yang et al. 2018; Kanai et al. 2018; Ganea et al. 2019): a softmax over
 ``W h`` with ``h`` in R^d gives log-probability matrices of rank <= d + 1, so a head that breaks
-the bottleneck (sigsoftmax, PLIF, MoS, MoSS) should lower perplexity, and most where d is small.
-This script trains one AWD-LSTM per cell of the grid ``heads x ds x seeds`` with the language
-model's own run loop (``experiments/language_model.py``, in-process) and tabulates the result.
+the bottleneck (sigsoftmax, PLIF, MoS, Mixtape, ...) should lower perplexity, and most where d is
+small. This script trains one language model per cell of the grid ``heads x ds x seeds`` with the
+language model's own run loop (``experiments/language_model.py``, in-process) and tabulates it.
 
-Model. A 2-layer AWD-LSTM whose inner width (``--nhid``) is the same in every cell; the last
-layer's output, the tied embedding and the head's input all have width ``d`` (``emsize = d``), so
-``d`` is the bottleneck and the trunk is shared. Mixture heads decode ``num_components`` latents
-``tanh(P_k h)`` of width ``d`` with the same tied decoder (Yang et al.'s MoS), so they add only
-``P`` and the prior (``study.json`` reports every cell's parameter count).
+Model (``--model transformer``, the default). The trunk is fixed and only the head's input width
+``d`` varies: every cell is the ``--trunk_preset`` of ``language_model.py`` (``transformer-study``:
+2 pre-norm layers of width 128, AdamW with warmup and a cosine over the budget) with the cell's
+head, ``--transformer.head_features d``, seed, data and budget replaced. The head reads ``h = P x``
+(a learned ``128 -> d`` projection of the trunk's features), so a softmax head's log-probabilities
+have rank <= d + 2 (with its output bias) whatever the trunk; the tied embedding is factorized
+(ALBERT): a ``d``-wide table shared with the head's decoder, projected up to the trunk's width at
+the input. Mixtures decode ``K`` latents of width ``d`` with the same tied table.
+``--model awd_lstm`` is the earlier study: a 2-layer AWD-LSTM of inner width ``--nhid`` whose last
+layer, tied embedding and head input have width ``d`` (the fields ``nhid`` ... ``nonmono`` are
+its trunk and protocol; the preset ``awd-2epoch`` is the grid of docs/lm_study.md).
 
-Data. PTB with its vocabulary cut to the ``--vocab_size`` most frequent training words (the rest
-become ``<unk>``; 2,000 by default, which keeps 82% of the training tokens as words): on 2 CPU
-cores the full 10,000 words more than halve the tokens per second of a softmax cell and make
-MoS-3 about 4x slower than softmax (1.6x at 2,000 words), too much for 30 cells in two hours
-(docs/lm_study.md has the pilot and the arithmetic). The rank bound still binds: d + 2 <= 34
-against 2,000 words.
+Data. PTB with all its 10,000 words by default (``--vocab_size N`` keeps the N most frequent
+training words, the rest ``<unk>``). The preset ``control`` is the negative control: 64 words at
+d = 64, where no head has a rank bottleneck.
 
-Protocol (the same for every head). AWD-LSTM's SGD (lr 20: Yang et al.'s MoS rate, inside
-Merity's range) with NT-ASGD (``--nonmono 1``: average from the first epoch that does not
-improve), gradient clipping 0.25, PLIF's slopes at their own rate 0.02 (Ganea et al.); every cell
-of a seed sees the same data order, window lengths and dropout stream (they are functions of the
-seed); each cell trains until validation perplexity has not improved for ``--patience`` epochs or
-until the ``--epochs`` budget ends, whichever comes first: ``stop_reason`` says which. The
-best-validation model is evaluated. No head is tuned on its own.
+Protocol (the same for every head). Every cell of a seed sees the same data order, window lengths
+and dropout stream (functions of the seed); each trains until validation perplexity has not
+improved for ``--patience`` epochs or until the ``--epochs`` budget ends: ``stop_reason`` says
+which, and ``converged`` is true when early stopping ended the cell or its last three epochs
+improved validation by less than 0.5% in all. The best-validation model is evaluated. No head is
+tuned on its own.
 
     python experiments/lm_study.py --preset smoke --out_dir /tmp/study    # seconds, fixtures
     python experiments/lm_study.py             # the default grid (PTB downloaded; --data_dir DIR)
-    python experiments/lm_study.py --corpus wikitext2 --out_dir runs/lm_study_wt2
-    python experiments/lm_study.py --preset full                          # a GPU's grid
+    python experiments/lm_study.py --preset control                       # the negative control
+    python experiments/lm_study.py --preset awd-2epoch                    # the AWD-LSTM grid
 
 Resumable. Every cell is a language-model run folder under ``OUT_DIR/cells/`` with its own
 checkpoints: rerunning the command skips finished cells and resumes an unfinished one where it
-stopped (Ctrl-C saves and exits). A cell that fails (say, diverges) is recorded with its error and
-the grid goes on; rerunning retries it.
+stopped (Ctrl-C saves and exits). With ``--results_csv FILE`` each finished cell's row is merged
+into FILE at once, and a cell whose row there has the same config (``config_sha``) is not run
+again, even on another machine without its folder; ``experiments/lm_study_grid.sh`` runs a grid
+in the background from a worktree pinned at a commit and commits each row as it lands. A cell
+that fails (say, diverges) is recorded with its error and the grid goes on; rerunning retries it.
 
 Writes to --out_dir: config.json; study.json / study.csv (one row per cell: valid / test
-perplexity, epochs, stopping reason, seconds, parameters), study.md (mean +- std per head x d and
-the gain over softmax), test_ppl_vs_d.png, learning_curves.png, and for ``--rank_d`` the
-numerical / effective rank of each head's test log-probabilities (``rank/<head>/``, via
-``experiments/rank.py --mode model``; ``ranks`` in study.json).
+perplexity, epochs, stopping reason, convergence, seconds, parameters, the validation curve, the
+code's commit), study.md (mean +- std per head x d and the gain over softmax),
+test_ppl_vs_d.png, learning_curves.png, and for ``--rank_d`` the numerical / effective rank of
+each head's test log-probabilities (``rank/<head>/``, via ``experiments/rank.py --mode model``;
+``ranks`` in study.json).
 """
 
 from __future__ import annotations
