@@ -184,9 +184,18 @@ class Config:
             "$RESULTS_CSV), e.g. to commit --results_csv"
         },
     )
+    report_only: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "tabulate and plot the cells recorded in --results_csv (or finished in "
+            "--out_dir) without training the others, which are listed as pending"
+        },
+    )
     out_dir: str = "runs/lm_study"
 
     def validate(self) -> None:
+        if self.report_only and self.results_csv is None:
+            raise ValueError("report_only reads --results_csv: name the CSV of recorded cells")
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         unknown = [h for h in self.heads if h not in HEAD_NAMES]
@@ -591,7 +600,16 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
             f"{e['valid_ppl']:.1f} | {e['epochs']:.1f} | {e['early_stopped']}/{e['seeds']} | "
             f"{e['converged']}/{e['seeds']} | {e['s_per_epoch']:.0f} | {e['params']:,} |"
         )
-    failed = [r for r in rows if r["status"] != "done"]
+    pending = [r for r in rows if r["status"] == "pending"]
+    if pending:
+        lines[0] += " — partial"
+        lines += [
+            "",
+            f"**Partial**: {len(rows) - len(pending)} of {len(rows)} cells done; pending: "
+            + ", ".join(cell_name(r["head"], r["d"], r["seed"]) for r in pending)
+            + ".",
+        ]
+    failed = [r for r in rows if r["status"] == "failed"]
     if failed:
         lines += ["", "Failed cells (rerun the command to retry them):", ""]
         lines += [f"- {cell_name(r['head'], r['d'], r['seed'])}: {r['error']}" for r in failed]
@@ -692,6 +710,9 @@ def run_study(config: Config) -> dict[str, Any]:
             curves[(head, d, seed)] = curve_from_row(row)
             rows.append(row)
             continue
+        if config.report_only and finished_results(cell) is None:
+            rows.append({"head": head, "d": d, "seed": seed, "status": "pending"})
+            continue
         print(f"\n=== cell {i + 1}/{len(cells)}: {name} ===", flush=True)
         results = run_cell(cell)
         curves[(head, d, seed)] = learning_curve(cell)
@@ -734,7 +755,7 @@ def run_study(config: Config) -> dict[str, Any]:
         [{k: e.get(k) for k in ("d", "head", "test_ppl", "test_std", "gain_pct")} for e in table],
         floatfmt=".2f",
     )
-    failed = sum(r["status"] != "done" for r in rows)
+    failed = sum(r["status"] == "failed" for r in rows)
     print(
         f"\nwrote {root}/: study.json, study.csv, study.md, test_ppl_vs_d.png, "
         f"learning_curves.png{', rank/' if ranks else ''}"
@@ -746,7 +767,7 @@ def run_study(config: Config) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = parse_config(Config, PRESETS, argv)
     study = run_study(config)
-    if any(r["status"] != "done" for r in study["cells"]):
+    if any(r["status"] == "failed" for r in study["cells"]):
         raise SystemExit(1)
     return study
 

@@ -204,3 +204,22 @@ def test_bad_flags_exit_with_a_clear_message(args, message, tmp_path, capsys):
         lm_study.main(["--preset", "smoke", "--out_dir", str(tmp_path), *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke, tmp_path):
+    reference, _ = smoke
+    out = tmp_path / "report"
+    code, stdout, stderr = _run(env, "--heads", "softmax,sigsoftmax,mos", "--rank_d", "none",
+                                "--results_csv", str(reference / "rows.csv"), "--report_only",
+                                "--out_dir", str(out))  # fmt: skip
+    assert code == 0, stderr
+    assert "epoch 1/" not in stderr and not (out / "cells").exists()
+    text = (out / "study.md").read_text()
+    assert "partial" in text and "pending: sigsoftmax-d4-s1." in text
+    assert "| 4 | mos |" in text and "| 4 | sigsoftmax |" not in text
+    assert {c["status"] for c in json.loads((out / "study.json").read_text())["cells"]} == {
+        "done",
+        "pending",
+    }
+    code, _, stderr = _run(env, "--report_only", "--out_dir", str(tmp_path / "x"))
+    assert code == 2 and "report_only reads --results_csv" in stderr
