@@ -32,10 +32,12 @@ from bottleneck.spectrum import (
     numerical_rank,
     singular_values,
 )
+from bottleneck.truncation import bat_keep_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "bat_keep_mask",
     "chunked_cross_entropy",
     "cross_entropy",
     "effective_rank",
