@@ -4,6 +4,13 @@ Data flow: hidden states -> logits (W h + b) -> pointwise map (PLIF / sig / none
 -> normalizer (log-space) -> mixture (optional) -> log-probs -> loss / rank diagnostics.
 """
 
+from bottleneck.consequences import (
+    estimate_hidden_size,
+    gradient_bottleneck_ratio,
+    head_gradient_ratio,
+    jacobian_gradient_ratio,
+    unargmaxable_tokens,
+)
 from bottleneck.generation import generate
 from bottleneck.losses import chunked_cross_entropy, cross_entropy, target_log_probs
 from bottleneck.mixtures import mixture_log_probs
@@ -25,14 +32,20 @@ from bottleneck.spectrum import (
     numerical_rank,
     singular_values,
 )
+from bottleneck.truncation import bat_keep_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "bat_keep_mask",
     "chunked_cross_entropy",
     "cross_entropy",
     "effective_rank",
+    "estimate_hidden_size",
     "generate",
+    "gradient_bottleneck_ratio",
+    "head_gradient_ratio",
+    "jacobian_gradient_ratio",
     "jacobian_singular_values",
     "log_normalize",
     "log_relu_normalizer",
@@ -51,4 +64,5 @@ __all__ = [
     "singular_values",
     "softmax_log_scores",
     "target_log_probs",
+    "unargmaxable_tokens",
 ]

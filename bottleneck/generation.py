@@ -182,6 +182,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    bat_tau: float | None = None,
 ) -> jax.Array:
     """Samples ``num_tokens`` tokens after each prompt, one at a time (ancestral sampling).
 
@@ -205,6 +206,14 @@ def generate(
       num_tokens: ``N >= 1`` tokens to sample per prompt.
       key: PRNG key.
       temperature, top_k, top_p: see :func:`sampling_log_probs`; ``top_k=1`` is greedy.
+      bat_tau: ``None`` (off) or basis-aware truncation (Finlayson et al. 2024,
+        :func:`bottleneck.bat_keep_mask`) at threshold ``tau`` in ``(0, 1)``, after the other
+        filters: among the tokens they keep, those that the model's log-probabilities (at
+        temperature 1) and decoder prove possible. Plain softmax heads only (``OutputHead`` with
+        one component, no pointwise map, the softmax normalizer). Host-side: the model runs one
+        jitted step at a time and each row draws tokens in Gumbel order (the same draw as
+        without BAT) until one is kept, the argmax if none; a drawn token below ``tau`` costs a
+        linear program unless a cheap certificate keeps it (seconds at ``M = 10,000``).
 
     Returns:
       ``[B, N]`` int32 sampled ids (the prompt not included).
@@ -232,6 +241,10 @@ def generate(
             f"prompt_tokens must lie in [0, {vocab_size}), got ids in "
             f"[{prompt.min()}, {prompt.max()}]"
         )
+    if bat_tau is not None:
+        return _generate_bat(
+            model, prompt, key, temperature, top_k, top_p, bat_tau, num_tokens=num_tokens
+        )
     return _decode(
         model,
         jnp.asarray(prompt, jnp.int32),
@@ -241,3 +254,79 @@ def generate(
         jnp.float32(1.0 if top_p is None else top_p),
         num_tokens=num_tokens,
     )
+
+
+@nnx.jit
+def _prefill(model: DecodingModel, state: Any, prompt: jax.Array) -> tuple[jax.Array, Any]:
+    return model.prefill(state, prompt)
+
+
+@nnx.jit
+def _decode_step(model: DecodingModel, state: Any, token: jax.Array) -> tuple[jax.Array, Any]:
+    return model.decode_step(state, token)
+
+
+def _generate_bat(
+    model: Any,
+    prompt: np.ndarray,
+    key: jax.Array,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    tau: Any,
+    *,
+    num_tokens: int,
+) -> jax.Array:
+    """:func:`generate` with basis-aware truncation: a host loop over jitted steps."""
+    from bottleneck.nn.heads import OutputHead
+    from bottleneck.nn.pieces import NORMALIZERS
+    from bottleneck.truncation import bat_keep_mask
+
+    head = getattr(model, "head", None)
+    if not (
+        isinstance(head, OutputHead)
+        and not head.is_mixture
+        and head.pointwise is None
+        and head.normalizer is NORMALIZERS["softmax"]
+    ):
+        raise ValueError(
+            "bat_tau needs a plain softmax head (model.head an OutputHead with one component, no "
+            "pointwise map, the softmax normalizer): its moment condition W^T p* = W^T p holds "
+            "for those only"
+        )
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < 1:
+        raise ValueError(f"bat_tau must be a number in (0, 1) or None, got {tau!r}")
+    vocab_size = model.vocab_size
+    decoder = np.asarray(head.decoder[...], np.float64)[:vocab_size]
+    filter_options = (
+        jnp.float32(temperature),
+        jnp.int32(vocab_size if top_k is None else top_k),
+        jnp.float32(1.0 if top_p is None else top_p),
+    )
+    batch, prompt_len = prompt.shape
+    state = model.init_decode_state(batch, prompt_len + num_tokens - 1)
+    log_probs, state = _prefill(model, state, jnp.asarray(prompt, jnp.int32))
+    keys = jax.random.split(key, num_tokens)
+    tokens = []
+    for step in range(num_tokens):
+        if step:
+            log_probs, state = _decode_step(model, state, jnp.asarray(tokens[-1]))
+        filtered = np.asarray(_jit_filter(log_probs, *filter_options))
+        # jax.random.categorical's draw: the argmax of logits + Gumbel noise; the Gumbel order
+        # is a draw without replacement, so its first kept token follows the kept distribution.
+        ranked = filtered + np.asarray(jax.random.gumbel(keys[step], filtered.shape))
+        model_log_probs = np.asarray(log_probs, np.float64)
+        chosen = np.empty(batch, np.int32)
+        for row in range(batch):
+            order = np.argsort(-ranked[row], kind="stable")
+            order = order[np.isfinite(filtered[row, order])]
+            chosen[row] = np.argmax(filtered[row])  # if BAT keeps none of them
+            for token in order:
+                if bat_keep_mask(model_log_probs[row], decoder, tau=tau, tokens=[token])[0]:
+                    chosen[row] = token
+                    break
+        tokens.append(chosen)
+    return jnp.asarray(np.stack(tokens, axis=1), jnp.int32)
+
+
+_jit_filter = jax.jit(_filter)
