@@ -134,7 +134,10 @@ class Config:
         default=None,
         metadata={"help": "most frequent training words kept, others <unk>; none: all"},
     )
-    num_components: int = dataclasses.field(default=3, metadata={"help": "K of the mixtures"})
+    num_components: int = dataclasses.field(
+        default=4,
+        metadata={"help": "K of the mixtures (Mixtape's sigmoid tree needs a power of 2)"},
+    )
     num_knots: int = dataclasses.field(default=10_000, metadata={"help": "PLIF knots"})
     # the AWD-LSTM's trunk (--model awd_lstm only: the same in every cell)
     nhid: int = 128
@@ -281,6 +284,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "heads": ("softmax", "sigsoftmax", "plif", "mos", "moss"),
         "seeds": (1, 2),
         "vocab_size": 2000,
+        "num_components": 3,
         "epochs": 2,
     },
     # For a GPU: the AWD-LSTM at wider bottlenecks, three seeds, a longer budget.
@@ -441,6 +445,8 @@ def config_sha(cell: language_model.Config) -> str:
     tree = to_jsonable(cell)
     tree.pop("out_dir")
     tree.pop("evaluation")
+    # Only the options the head takes: a softmax cell is the same whatever K the mixtures use.
+    tree["head"] = {"name": cell.head.name, **to_jsonable(cell.head.options())}
     tree["data"] = {k: v for k, v in tree["data"].items() if k not in ("data_dir", "tfds_dir")}
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
