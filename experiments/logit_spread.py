@@ -16,8 +16,9 @@ read in windows of the run's ``bptt`` (each window from its own start, no carrie
   left out (the decoder's outputs, before a pointwise map such as PLIF's), and ``spread_bound``:
   the mean of 2 max_v ||w_v|| ||x||, its upper bound;
 * ``input_norm``: the median ||x|| of the decoder's inputs (the latents for a mixture) and, for a
-  mixture, ``latent_saturation``: the fraction of latent units with |h_k,i| > 0.95, and
-  ``prior_max``: the mean largest mixture weight;
+  mixture, ``latent`` (its latent map), ``latent_saturation``: the fraction of latent units with
+  |h_k,i| > 0.95 (tanh latents only: a linear latent is unbounded), and ``prior_max``: the mean
+  largest mixture weight (MoS's context prior; Mixtape has none);
 * ``decoder_row_norm``: the median ||w_v|| over the vocabulary;
 * ``entropy`` (nats) and ``max_prob``: the mean entropy and largest probability of the predicted
   distributions.
@@ -68,7 +69,7 @@ class Config:
 def head_inputs(model: Any, windows: np.ndarray) -> jnp.ndarray:
     """The head's inputs ``[B, T, d]`` for token windows ``[B, T]`` (deterministic)."""
     if isinstance(model, Transformer):
-        return model.features(jnp.asarray(windows))
+        return model.head_input(model.features(jnp.asarray(windows)))
     return jnp.swapaxes(model.rnn(jnp.asarray(windows.T)).output, 0, 1)
 
 
@@ -82,8 +83,11 @@ def measure(model: Any, windows: np.ndarray, vocab_size: int) -> dict[str, Any]:
     if head.is_mixture:
         latents, log_prior = head.components(h)
         inputs = np.asarray(latents, np.float32)  # [B, T, K, d']
-        stats["latent_saturation"] = float(np.mean(np.abs(inputs) > SATURATED))
-        stats["prior_max"] = float(np.mean(np.exp(np.asarray(log_prior)).max(axis=-1)))
+        stats["latent"] = head.latent_kind
+        if head.latent_kind == "tanh":  # only a bounded latent saturates
+            stats["latent_saturation"] = float(np.mean(np.abs(inputs) > SATURATED))
+        if log_prior is not None:  # Mixtape's gates depend on the token: no context prior
+            stats["prior_max"] = float(np.mean(np.exp(np.asarray(log_prior)).max(axis=-1)))
         stats["latent_width"] = int(inputs.shape[-1])
     else:
         inputs = np.asarray(h, np.float32)[..., None, :]  # one component

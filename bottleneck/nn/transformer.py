@@ -536,7 +536,7 @@ class Transformer(nnx.Module):
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         return self._forward(tokens, positions, None, key)[0]
 
-    def _head_input(self, features: jax.Array) -> jax.Array:
+    def head_input(self, features: jax.Array) -> jax.Array:
         """The head's input ``[..., d]``: the features, projected to ``head_features`` if set."""
         features = features.astype(self.param_dtype)
         if self.head_projection is not None:
@@ -545,7 +545,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Deterministic log-probabilities ``[B, T, M]`` of the next token at every position."""
-        return self.head(self._head_input(self.features(tokens)))
+        return self.head(self.head_input(self.features(tokens)))
 
     def nll(
         self, features: jax.Array, targets: jax.Array, where: jax.Array | None = None
@@ -557,7 +557,7 @@ class Transformer(nnx.Module):
           targets: ``[B, T]`` next-token ids.
           where: optional ``[B, T]`` mask of the positions that count.
         """
-        return self.head.loss(self._head_input(features), targets, where)
+        return self.head.loss(self.head_input(features), targets, where)
 
     def objective(
         self,
@@ -615,7 +615,7 @@ class Transformer(nnx.Module):
             )
         positions = cache.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         features, cache = self._forward(tokens, positions, cache, None)
-        log_probs = self.head(self._head_input(features[:, -1]))
+        log_probs = self.head(self.head_input(features[:, -1]))
         # A traced length can overflow the cache, where dynamic_update_slice would silently
         # overwrite the last slots: the result is NaN instead.
         return jnp.where(cache.length <= capacity, log_probs, jnp.nan), cache
