@@ -1,0 +1,113 @@
+"""The bottleneck's consequences beyond rank, measured on trained language_model.py runs.
+
+    python experiments/consequences.py --run_dirs RUN1,RUN2 [--tokens 2048] [--out FILE]
+
+For each run (its config, vocabulary and best parameters, as ``generate.py`` loads them):
+
+* ``unargmaxable``: the tokens no hidden state makes the argmax of the decoder's logits
+  ``W x + b`` (:func:`bottleneck.unargmaxable_tokens`: an exact LP per token, over all of
+  ``R^d``), their count and their share of the training tokens (``unargmaxable_train_share``).
+  For a plain head with a monotone pointwise map (PLIF, the monotone MLP) or sigsoftmax, whose
+  log-score ``2z - softplus(z)`` is increasing, this is the head's own unargmaxable set. A mixture
+  (MoS, Mixtape) mixes several decoder outputs, so its argmax need not be any component's: for
+  it the script also counts how many of the decoder's unargmaxable tokens are the argmax of the
+  head's own log-probabilities at some of the first ``--tokens`` validation positions
+  (``unargmaxable_seen_as_argmax``; 0 for a plain head by construction).
+* ``hidden_size_estimate``: :func:`bottleneck.estimate_hidden_size` of the head's full
+  log-probabilities at those positions: the head's input width ``d`` for a softmax head (the
+  attack of Finlayson et al. 2024 recovers it), more where a head breaks the bottleneck.
+
+Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
+folder) and prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import load_run  # noqa: E402
+from logit_spread import head_inputs  # noqa: E402
+
+import bottleneck as bn  # noqa: E402
+from bottleneck.train import UsageError, parse_config  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Unargmaxable tokens and the hidden-size estimate of trained runs."""
+
+    run_dirs: tuple[str, ...] = dataclasses.field(
+        default=(), metadata={"help": "language_model.py run folders, comma-separated (required)"}
+    )
+    tokens: int = dataclasses.field(
+        default=2048, metadata={"help": "validation positions (whole windows) for the estimates"}
+    )
+    out: str | None = dataclasses.field(
+        default=None, metadata={"help": "JSON file; none: RUN/consequences.json of the first run"}
+    )
+
+    def validate(self) -> None:
+        if not self.run_dirs:
+            raise ValueError("--run_dirs is required")
+        if self.tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+
+
+def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
+    """The statistics of the module docstring for one run."""
+    config, vocabulary, model = load_run(run_dir)
+    corpus = config.data.load(run_dir)
+    vocab_size = len(vocabulary)
+    head = model.head
+    decoder = np.asarray(head.decoder[...], np.float64)[:vocab_size]
+    bias = None if head.bias is None else np.asarray(head.bias[...], np.float64)[:vocab_size]
+    unargmaxable = bn.unargmaxable_tokens(decoder, bias)
+    counts = np.bincount(np.asarray(corpus.train), minlength=vocab_size)
+    validation = np.asarray(corpus.validation)
+    length = config.data.bptt
+    count = min(tokens, len(validation)) // length
+    if count < 1:
+        raise UsageError(f"--tokens {tokens} holds no whole window of bptt {length}")
+    windows = validation[: count * length].reshape(count, length)
+    log_probs = np.asarray(head(head_inputs(model, windows)), np.float32).reshape(-1, vocab_size)
+    argmaxes = np.unique(log_probs.argmax(axis=-1))
+    return {
+        "run_dir": run_dir,
+        "head": config.head.name,
+        "latent": config.head.latent if head.is_mixture else None,
+        "d": int(head.in_features),
+        "vocab_size": vocab_size,
+        "unargmaxable": int(unargmaxable.size),
+        "unargmaxable_train_share": float(counts[unargmaxable].sum() / counts.sum()),
+        "unargmaxable_tokens": [vocabulary.tokens[i] for i in unargmaxable[:20]],
+        "unargmaxable_seen_as_argmax": int(np.isin(unargmaxable, argmaxes).sum()),
+        "distinct_argmaxes": int(argmaxes.size),
+        "hidden_size_estimate": bn.estimate_hidden_size(jnp.asarray(log_probs)),
+        "positions": int(log_probs.shape[0]),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    config = parse_config(Config, {}, argv)
+    try:
+        rows = [measure_run(run_dir, config.tokens) for run_dir in config.run_dirs]
+    except UsageError as err:
+        print(f"consequences.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    out = Path(config.out or Path(config.run_dirs[0]) / "consequences.json")
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(json.dumps(rows, indent=1))
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

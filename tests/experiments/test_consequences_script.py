@@ -1,0 +1,61 @@
+"""experiments/consequences.py on smoke runs: the decoder's unargmaxable set, the estimate."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bottleneck as bn
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPERIMENTS = ROOT / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+import consequences  # noqa: E402
+from generate import load_run  # noqa: E402
+
+ENV = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    out = {}
+    for head in ("softmax", "mos"):
+        out[head] = root / head
+        subprocess.run(
+            [sys.executable, str(EXPERIMENTS / "language_model.py"), "--preset",
+             "transformer-smoke", "--head", head, "--epochs", "1", "--no-dynamic_eval",
+             "--out_dir", str(out[head])],
+            cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=600,
+        )  # fmt: skip
+    return out
+
+
+def test_rows_follow_the_library_functions(runs, tmp_path):
+    out = tmp_path / "c.json"
+    rows = consequences.main(
+        ["--run_dirs", f"{runs['softmax']},{runs['mos']}", "--tokens", "6", "--out", str(out)]
+    )
+    assert json.loads(out.read_text()) == rows
+    softmax, mos = rows
+    assert (softmax["head"], mos["head"], mos["latent"]) == ("softmax", "mos", "tanh")
+    _, vocabulary, model = load_run(str(runs["softmax"]))
+    m = len(vocabulary)
+    decoder = np.asarray(model.head.decoder[...], np.float64)[:m]
+    bias = np.asarray(model.head.bias[...], np.float64)[:m]
+    assert softmax["unargmaxable"] == bn.unargmaxable_tokens(decoder, bias).size
+    # A plain head's argmax is always an argmaxable token.
+    assert softmax["unargmaxable_seen_as_argmax"] == 0
+    for row in rows:
+        assert 0.0 <= row["unargmaxable_train_share"] <= 1.0
+        assert 1 <= row["hidden_size_estimate"] <= min(row["positions"], m)
+
+
+def test_missing_run_dirs_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        consequences.main([])
+    assert exit_info.value.code == 2 and "--run_dirs is required" in capsys.readouterr().err
