@@ -243,11 +243,13 @@ class Config:
     @property
     def resumable_changes(self) -> tuple[str, ...]:
         """The fields a resumed run may change: ``RESUMABLE_CHANGES``, but ``training.epochs``
-        when it sets the length of AdamW's schedule, and the group of the other model."""
+        when it sets the length of AdamW's schedule, the group of the other model and the head
+        options its head does not take."""
         fields = RESUMABLE_CHANGES
         if self.optimizer.name == "adamw":
             fields = tuple(name for name in fields if name != "training.epochs")
-        return (*fields, *(name for name in MODELS if name != self.model))
+        unused = tuple(f"head.{name}" for name in self.head.unused_fields())
+        return (*fields, *(name for name in MODELS if name != self.model), *unused)
 
 
 # Sources. Kanai et al. 2018 (the seeds' 003), App. C.1.1, for AWD-LSTM: emsize 400, nhid 1150,

@@ -157,6 +157,17 @@ class DataConfig:
         )
 
 
+# HeadConfig's fields by the make_head option each one is.
+_OPTION_OF_FIELD = {
+    "num_components": "num_components",
+    "num_knots": "num_knots",
+    "plif_bound": "bound",
+    "plif_noise": "plif_noise",
+    "num_hidden": "num_hidden",
+    "latent": "latent",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
     """The output head (any of bottleneck.nn.HEAD_NAMES) and its options."""
@@ -192,15 +203,15 @@ class HeadConfig:
 
     def options(self) -> dict[str, Any]:
         """The keyword options of :func:`bottleneck.nn.make_head` that this head takes."""
-        return nn.head_options(
-            self.name,
-            num_components=self.num_components,
-            num_knots=self.num_knots,
-            bound=self.plif_bound,
-            plif_noise=self.plif_noise,
-            num_hidden=self.num_hidden,
-            latent=self.latent,
-        )
+        return nn.head_options(self.name, **self._candidates())
+
+    def unused_fields(self) -> tuple[str, ...]:
+        """The fields of options this head does not take (they cannot change its model)."""
+        used = self.options()
+        return tuple(field for field, option in _OPTION_OF_FIELD.items() if option not in used)
+
+    def _candidates(self) -> dict[str, Any]:
+        return {option: getattr(self, field) for field, option in _OPTION_OF_FIELD.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from bottleneck.train import parse_config
+from bottleneck.train.lm_config import HeadConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "language_model.py"
@@ -335,3 +336,16 @@ def test_adamw_runs_refuse_another_epoch_budget_on_resuming(transformer_runs, ca
     config = parse_config(language_model.Config, language_model.PRESETS, MIXTURE)
     assert "awd_lstm" in config.resumable_changes and "transformer" not in config.resumable_changes
     assert "training.epochs" in language_model.Config().resumable_changes  # SGD: no schedule
+
+
+def test_head_options_the_head_does_not_take_may_change_on_resuming():
+    softmax = language_model.Config(head=HeadConfig("softmax"))
+    plif = language_model.Config(head=HeadConfig("plif"))
+    mos = language_model.Config(head=HeadConfig("mos"))
+    assert {"head.num_knots", "head.latent", "head.num_components"} <= set(
+        softmax.resumable_changes
+    )
+    assert (
+        "head.num_knots" not in plif.resumable_changes and "head.latent" in plif.resumable_changes
+    )
+    assert {"head.latent", "head.num_components"}.isdisjoint(mos.resumable_changes)
