@@ -10,7 +10,7 @@ import bottleneck as bn
 
 
 def np_plif(x, raw_slopes, bound):
-    """PLIF straight from its definition (DESIGN.md / Ganea et al.), float64, one element at a time."""
+    """PLIF straight from its definition (Ganea et al.; ``bn.plif``'s docstring), float64, one element at a time."""
     slopes = np.logaddexp(0.0, np.asarray(raw_slopes, np.float64))
     num_knots = len(slopes)
     delta = 2.0 * bound / num_knots

@@ -1,6 +1,6 @@
 r"""Output heads: hidden states ``[..., d]`` -> log-probabilities ``[..., M]`` (Flax NNX).
 
-A head is a composition, not a member of a closed list (see ``DESIGN.md``):
+A head is a composition, not a member of a closed list:
 
 .. math::
    h \to [h_k = \mathrm{latent}_k(h),\ \pi = \mathrm{norm}(w_\pi h)] \to z = W h_k + b

@@ -545,6 +545,9 @@ def check_run_folder(out_dir: str | Path, config: Any) -> Path:
     root = Path(out_dir)
     if root.exists() and not root.is_dir():
         raise RunFolderError(f"output folder {root} exists and is not a folder")
+    existing = next((p for p in root.absolute().parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise RunFolderError(f"output folder {root} cannot be created: {existing} is not a folder")
     saved = root / "config.json"
     if saved.is_file():
         try:

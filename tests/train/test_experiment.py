@@ -295,12 +295,16 @@ def test_an_out_dir_that_is_a_file_is_one_clear_error(tmp_path, capsys):
     path.write_text("x")
     with pytest.raises(RunFolderError, match="exists and is not a folder"):
         open_run(path, Config())
-    with pytest.raises(RunFolderError, match="cannot create output folder"):
-        open_run(path / "sub", Config())
-    with pytest.raises(SystemExit) as exit_info:
-        parse_config(Config, PRESETS, ["--out_dir", str(path)])
-    assert exit_info.value.code == 2
-    assert "exists and is not a folder" in capsys.readouterr().err
+    with pytest.raises(RunFolderError, match=f"cannot be created: {path} is not a folder"):
+        open_run(path / "sub" / "run", Config())
+    for out_dir, message in (
+        (path, "exists and is not a folder"),
+        (path / "x", "cannot be created"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_config(Config, PRESETS, ["--out_dir", str(out_dir)])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_unsupported_field_type_is_a_programming_error():
