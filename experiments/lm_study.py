@@ -121,7 +121,7 @@ class Config:
             "optimizer and schedule of every cell (the cell sets head, d, seed, data, budget)"
         },
     )
-    heads: tuple[str, ...] = ("softmax", "sigsoftmax", "plif", "mos")
+    heads: tuple[str, ...] = ("softmax", "sigsoftmax", "plif", "mos", "mixtape")
     ds: tuple[int, ...] = dataclasses.field(
         default=(16, 32, 64, 128), metadata={"help": "bottleneck widths d (the head's input)"}
     )
@@ -162,7 +162,13 @@ class Config:
     eval_tokens: int | None = dataclasses.field(
         default=None, metadata={"help": "first N validation / test tokens only; none: all"}
     )
-    epochs: int = dataclasses.field(default=12, metadata={"help": "budget per cell"})
+    epochs: int = dataclasses.field(
+        default=13,
+        metadata={
+            "help": "budget per cell (the Transformer's cosine lasts the trunk preset's "
+            "decay_epochs, 10, then its final rate holds)"
+        },
+    )
     patience: int = dataclasses.field(default=1, metadata={"help": "early-stopping patience"})
     # the rank analysis
     rank_d: int | None = dataclasses.field(

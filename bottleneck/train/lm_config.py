@@ -242,6 +242,14 @@ class OptimizerConfig:
         default=0.1,
         metadata=_help("adamw: the cosine decay ends at this fraction of --lr, at the last epoch"),
     )
+    decay_epochs: int | None = dataclasses.field(
+        default=None,
+        metadata=_help(
+            "adamw: the cosine decay's length in epochs, the rate constant after it (training "
+            "can then go on at the final rate until validation stops improving); none: the "
+            "epoch budget"
+        ),
+    )
 
     def validate(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -251,6 +259,7 @@ class OptimizerConfig:
         if self.plif_lr is not None and self.plif_lr <= 0:
             raise ValueError(f"plif_lr must be > 0 or none, got {self.plif_lr}")
         _check_non_negative(self, "clip", "weight_decay", "warmup_steps")
+        _check_positive_or_none(self, "decay_epochs")
         _check_positive(self, "nonmono")
         if not 0 <= self.final_lr_fraction <= 1:
             raise ValueError(f"final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}")
@@ -260,7 +269,8 @@ class OptimizerConfig:
 
         For ``adamw`` every rate follows :func:`optax.warmup_cosine_decay_schedule`: linear from
         0 to the rate over ``warmup_steps``, then a cosine to ``final_lr_fraction`` of it at
-        ``total_steps`` (epochs × :meth:`DataConfig.steps_per_epoch`), constant after. The
+        ``total_steps`` (``decay_epochs``, or the epoch budget, × :meth:`DataConfig.steps_per_epoch`),
+        constant after. The
         schedule reads the step count in the optimizer state, so a resumed run continues it.
         ``total_steps`` must exceed ``warmup_steps`` (a
         :class:`~bottleneck.train.experiment.UsageError` otherwise); SGD and Adam ignore it.

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from bottleneck.train import parse_config
+from bottleneck.train.experiment import replace_fields, validate_config
 from bottleneck.train.lm_config import HeadConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -349,3 +350,14 @@ def test_head_options_the_head_does_not_take_may_change_on_resuming():
         "head.num_knots" not in plif.resumable_changes and "head.latent" in plif.resumable_changes
     )
     assert {"head.latent", "head.num_components"}.isdisjoint(mos.resumable_changes)
+
+
+def test_a_cosine_shorter_than_the_budget_lets_the_budget_change_on_resuming():
+    adamw = language_model.PRESETS["transformer-study"]
+    config = replace_fields(language_model.Config(), adamw)
+    assert config.optimizer.decay_epochs == 10 and config.training.epochs == 13
+    assert "training.epochs" in config.resumable_changes
+    whole = replace_fields(config, {"optimizer.decay_epochs": None})
+    assert "training.epochs" not in whole.resumable_changes
+    with pytest.raises(ValueError, match="decay_epochs must be"):
+        validate_config(replace_fields(config, {"optimizer.decay_epochs": 0}))
