@@ -277,7 +277,11 @@ def test_mixture_presets_are_the_heads_with_components():
     for name in nn.HEAD_NAMES:
         options = {"num_knots": 10} if "plif" in name else {}
         head = nn.make_head(name, 4, 8, rngs=nnx.Rngs(0), **options)
-        assert head.is_mixture == nn.is_mixture_preset(name) == name.startswith("mos"), name
+        assert (
+            head.is_mixture
+            == nn.is_mixture_preset(name)
+            == (name.startswith("mos") or name == "mixtape")
+        ), name
 
 
 def test_mos_model_has_a_latent_mask(mos_model, model):
