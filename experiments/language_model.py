@@ -323,6 +323,17 @@ _TRANSFORMER = {
     # a mixture's logit spread (MoS 117 +- 34 against softmax's 57 with tanh; README).
     "head.latent": "linear",
 }
+# The 2-core CPU's Transformer: width 128, 4 heads, batch 32 x bptt 64 (its depth per preset).
+_CPU_TRUNK = {
+    "transformer.d_model": 128,
+    "transformer.num_heads": 4,
+    "transformer.d_ff": 512,
+    "transformer.max_len": 128,
+    "transformer.attention_dropout": 0.0,
+    "data.batch_size": 32,
+    "data.eval_batch_size": 16,
+    "data.bptt": 64,
+}
 PRESETS: dict[str, dict[str, Any]] = {
     "paper-ptb": {},
     "paper-wt2": _AWD_WT2,
@@ -401,15 +412,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "transformer-cpu": {
         **_TRANSFORMER,
         "data.vocab_size": 2000,
-        "transformer.d_model": 128,
+        **_CPU_TRUNK,
         "transformer.num_layers": 4,
-        "transformer.num_heads": 4,
-        "transformer.d_ff": 512,
-        "transformer.max_len": 128,
-        "transformer.attention_dropout": 0.0,
-        "data.batch_size": 32,
-        "data.eval_batch_size": 16,
-        "data.bptt": 64,
         "optimizer.lr": 2e-3,
         "optimizer.warmup_steps": 100,
         "training.epochs": 2,
@@ -427,15 +431,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # improving (early stopping) or has improved less than 0.5% in those three epochs.
     "transformer-study": {
         **_TRANSFORMER,
-        "transformer.d_model": 128,
+        **_CPU_TRUNK,
         "transformer.num_layers": 2,
-        "transformer.num_heads": 4,
-        "transformer.d_ff": 512,
-        "transformer.max_len": 128,
-        "transformer.attention_dropout": 0.0,
-        "data.batch_size": 32,
-        "data.eval_batch_size": 16,
-        "data.bptt": 64,
         "optimizer.lr": 3e-3,
         "optimizer.warmup_steps": 200,
         "optimizer.decay_epochs": 10,

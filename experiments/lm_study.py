@@ -243,47 +243,30 @@ class Config:
             validate_config(cell_config(self, head, self.ds[0], self.seeds[0]))
 
 
+# Seconds: the fixture corpus, a tiny model, every stage (resume, rank, table, plots).
+_SMOKE = {
+    "data_dir": str(language_model.FIXTURES_DIR),
+    "heads": ("softmax", "mos"),
+    "ds": (4,),
+    "seeds": (1,),
+    "num_components": 2,
+    "num_knots": 100,
+    "epochs": 2,
+    "train_tokens": 200,
+    "eval_tokens": 100,
+    "rank_d": 4,
+    "rank_tokens": 50,
+    "rank_vocab": 50,
+}
 _AWD_LSTM = {"model": "awd_lstm", "ds": (8, 16, 32), "rank_d": 8, "patience": 2}
 PRESETS: dict[str, dict[str, Any]] = {
     # The negative control: a vocabulary no wider than d, where no head has a rank bottleneck
     # (64 words incl. <unk> and <eos>, d = 64): the heads should tie within the seed spread.
     "control": {"vocab_size": 64, "ds": (64,), "rank_d": 64, "rank_vocab": 64},
     # Seconds: the fixture corpus, a tiny Transformer, every stage (resume, rank, table, plots).
-    "smoke": {
-        "trunk_preset": "transformer-smoke",
-        "data_dir": str(language_model.FIXTURES_DIR),
-        "heads": ("softmax", "mos"),
-        "ds": (4,),
-        "seeds": (1,),
-        "num_components": 2,
-        "num_knots": 100,
-        "epochs": 2,
-        "train_tokens": 200,
-        "eval_tokens": 100,
-        "rank_d": 4,
-        "rank_tokens": 50,
-        "rank_vocab": 50,
-    },
+    "smoke": {**_SMOKE, "trunk_preset": "transformer-smoke"},
     # The same for the AWD-LSTM.
-    "awd-smoke": {
-        **_AWD_LSTM,
-        "data_dir": str(language_model.FIXTURES_DIR),
-        "heads": ("softmax", "mos"),
-        "ds": (4,),
-        "seeds": (1,),
-        "nhid": 16,
-        "num_components": 2,
-        "num_knots": 100,
-        "batch_size": 2,
-        "bptt": 3,
-        "lr": 1.0,
-        "epochs": 2,
-        "train_tokens": 200,
-        "eval_tokens": 100,
-        "rank_d": 4,
-        "rank_tokens": 50,
-        "rank_vocab": 50,
-    },
+    "awd-smoke": {**_AWD_LSTM, **_SMOKE, "nhid": 16, "batch_size": 2, "bptt": 3, "lr": 1.0},
     # The AWD-LSTM grid of docs/lm_study.md (2 epochs on a 2,000-word PTB: not converged).
     "awd-2epoch": {
         **_AWD_LSTM,
