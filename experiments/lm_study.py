@@ -699,13 +699,14 @@ def run_study(config: Config) -> dict[str, Any]:
     for i, (head, d, seed) in enumerate(cells):
         cell = cell_config(config, head, d, seed)
         name = cell_name(head, d, seed)
-        row = recorded.get((head, d, seed, config_sha(cell)))
-        if row is not None and finished_results(cell) is None:
+        key = (head, d, seed, config_sha(cell))
+        finished_before = finished_results(cell) is not None
+        if key in recorded and not finished_before:
             print(f"=== cell {i + 1}/{len(cells)}: {name}: recorded in {results_csv} ===")
-            curves[(head, d, seed)] = curve_from_row(row)
-            rows.append(row)
+            curves[(head, d, seed)] = curve_from_row(recorded[key])
+            rows.append(recorded[key])
             continue
-        if config.report_only and finished_results(cell) is None:
+        if config.report_only and not finished_before:
             rows.append({"head": head, "d": d, "seed": seed, "status": "pending"})
             continue
         print(f"\n=== cell {i + 1}/{len(cells)}: {name} ===", flush=True)
@@ -713,11 +714,15 @@ def run_study(config: Config) -> dict[str, Any]:
         curves[(head, d, seed)] = learning_curve(cell)
         row = cell_row(config, cell, results, curves[(head, d, seed)])
         rows.append(row)
-        if row["status"] == "done" and results_csv is not None:
-            if (head, d, seed, row["config_sha"]) not in recorded:
-                merge_results_csv(results_csv, row)
-                recorded[(head, d, seed, row["config_sha"])] = row
-        if row["status"] == "done" and config.after_cell:
+        if row["status"] != "done":
+            continue
+        # The hook runs for what this invocation finished or recorded, not on every rerun.
+        landed = not finished_before
+        if results_csv is not None and key not in recorded:
+            merge_results_csv(results_csv, row)
+            recorded[key] = row
+            landed = True
+        if landed and config.after_cell:
             env = {**os.environ, "CELL": name, "RESULTS_CSV": str(results_csv or "")}
             subprocess.run(config.after_cell, shell=True, env=env, check=False)
     table = summarize(rows, config)

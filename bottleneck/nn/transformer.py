@@ -409,7 +409,6 @@ class Transformer(nnx.Module):
         self.residual_dropout = residual_dropout
         self.attention_dropout = attention_dropout
         dtype = {"param_dtype": param_dtype, "rngs": rngs}
-        self.head_features = head_features
         head_width = d_model if head_features is None else head_features
         factorized = head_features is not None and tie_weights
         embedding_width = head_width if factorized else d_model

@@ -203,15 +203,13 @@ class HeadConfig:
 
     def options(self) -> dict[str, Any]:
         """The keyword options of :func:`bottleneck.nn.make_head` that this head takes."""
-        return nn.head_options(self.name, **self._candidates())
+        candidates = {option: getattr(self, field) for field, option in _OPTION_OF_FIELD.items()}
+        return nn.head_options(self.name, **candidates)
 
     def unused_fields(self) -> tuple[str, ...]:
         """The fields of options this head does not take (they cannot change its model)."""
         used = self.options()
         return tuple(field for field, option in _OPTION_OF_FIELD.items() if option not in used)
-
-    def _candidates(self) -> dict[str, Any]:
-        return {option: getattr(self, field) for field, option in _OPTION_OF_FIELD.items()}
 
 
 @dataclasses.dataclass(frozen=True)

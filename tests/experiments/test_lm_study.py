@@ -122,6 +122,12 @@ def test_cells_recorded_in_the_results_csv_are_not_run_again(env, smoke, tmp_pat
     with rows.open() as f:
         epochs = {r["head"]: r["epochs"] for r in csv.DictReader(f)}
     assert epochs == {"mos": "2", "softmax": "1"}
+    # Rerun: the cell's folder is finished and its row recorded, so the hook does not run again.
+    code, stdout, stderr = _run(env, "--rank_d", "none", "--out_dir", str(out), "--heads",
+                                "softmax", "--epochs", "1", "--results_csv", str(rows),
+                                "--after_cell", "echo ran $CELL")  # fmt: skip
+    assert code == 0, stderr
+    assert "ran " not in stdout
 
 
 @pytest.fixture(scope="module")
