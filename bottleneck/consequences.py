@@ -371,12 +371,14 @@ def jacobian_gradient_ratio(
 def head_gradient_ratio(head: Any, h: jax.Array, labels: jax.Array) -> jax.Array:
     r""":func:`jacobian_gradient_ratio` of an :class:`~bottleneck.nn.OutputHead` under its own loss.
 
-    The head's log-probabilities are :math:`\mathrm{log\_softmax}(s)` of its scores
+    A plain head's log-probabilities are :math:`\mathrm{log\_softmax}(s)` of its scores
     :math:`s = \log g(f(W h + b))` (``head.log_scores(head.logits(h))``; ``s = z`` for softmax), so
     the cross-entropy's gradient with respect to the scores is :math:`g = \mathrm{softmax}(s) -
-    e_y`, and this returns :math:`\lVert P_{\partial s / \partial h}\, g \rVert / \lVert g \rVert`.
-    For a softmax head it equals ``gradient_bottleneck_ratio(W, p - e_y)`` (Godey & Artzi's
-    measure). Mixture heads have no single score vector: use :func:`jacobian_gradient_ratio`.
+    e_y`, and this returns :math:`\lVert P_{\partial s / \partial h}\, g \rVert / \lVert g
+    \rVert`. For a softmax head it equals ``gradient_bottleneck_ratio(W, p - e_y)`` (Godey &
+    Artzi's measure). A mixture (MoS, Mixtape) has no single score vector; its scores are then
+    its log-probabilities :math:`s = \log p(h)` themselves (``log_softmax(s) = s``), so again
+    :math:`g = p - e_y`, projected on the columns of :math:`\partial \log p / \partial h`.
 
     Example:
       >>> import jax.numpy as jnp, bottleneck as bn
@@ -387,21 +389,18 @@ def head_gradient_ratio(head: Any, h: jax.Array, labels: jax.Array) -> jax.Array
       (3,)
 
     Args:
-      head: a plain (``num_components = 1``) ``OutputHead``.
+      head: an ``OutputHead`` (plain or mixture, including ``MixtapeHead``).
       h: ``[..., d]`` hidden states.
       labels: ``[...]`` integer targets in ``[0, M)``.
 
     Returns:
       ``[...]`` ratios in ``[0, 1]``.
     """
-    if getattr(head, "is_mixture", True):
-        raise ValueError(
-            "head must be a plain OutputHead (num_components = 1); a mixture has no single "
-            "score vector: use jacobian_gradient_ratio on a function of your choice"
-        )
     vocab = head.vocab_size
 
     def scores(x: jax.Array) -> jax.Array:
+        if head.is_mixture:
+            return head(x)
         return head.log_scores(head.logits(x))[..., :vocab]
 
     s = scores(h)

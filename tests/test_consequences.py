@@ -172,7 +172,7 @@ def test_jacobian_ratio_of_linear_and_nonlinear_heads():
     np.testing.assert_allclose(nonlinear(h, g).reshape(-1), want, rtol=1e-4)
 
 
-def test_head_ratio_of_a_softmax_head_is_the_decoders_and_mixtures_raise():
+def test_head_ratio_of_a_softmax_head_is_the_decoders():
     head = nn.OutputHead(6, 30, rngs=nnx.Rngs(0))
     head.bias.set_value(jax.random.normal(jax.random.key(3), head.bias.shape))
     h = jax.random.normal(jax.random.key(4), (5, 6))
@@ -180,9 +180,23 @@ def test_head_ratio_of_a_softmax_head_is_the_decoders_and_mixtures_raise():
     p = jax.nn.softmax(head.logits(h)[:, :30])
     want = bn.gradient_bottleneck_ratio(head.decoder[...][:30], p - jax.nn.one_hot(labels, 30))
     np.testing.assert_allclose(bn.head_gradient_ratio(head, h, labels), want, rtol=1e-5)
-    mixture = nn.OutputHead(6, 30, num_components=2, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="head must be a plain OutputHead"):
-        bn.head_gradient_ratio(mixture, h, labels)
+
+
+@pytest.mark.parametrize("name", ["mos", "mixtape"])
+def test_head_ratio_of_a_mixture_projects_p_minus_e_y_on_its_log_prob_jacobian(name):
+    head = nn.make_head(name, 6, 30, num_components=3, rngs=nnx.Rngs(0))
+    h = 2.0 * jax.random.normal(jax.random.key(4), (2, 2, 6))
+    labels = jnp.array([[0, 7], [29, 3]])
+    got = bn.head_gradient_ratio(head, h, labels)
+    assert got.shape == (2, 2)
+    want = []
+    for x, y in zip(np.asarray(h).reshape(-1, 6), np.asarray(labels).reshape(-1), strict=True):
+        # One position at a time (no vmap), the projection in float64 on the host.
+        J = np.asarray(jax.jacfwd(head)(jnp.asarray(x)), np.float64)
+        p = np.exp(np.asarray(head(jnp.asarray(x)), np.float64))
+        want.append(reference_ratio(J, p - np.eye(30)[y]))
+    np.testing.assert_allclose(np.asarray(got).reshape(-1), want, rtol=1e-3)
+    assert np.all((np.asarray(got) > 0) & (np.asarray(got) < 1))
 
 
 def test_gradient_ratio_bad_inputs_raise():

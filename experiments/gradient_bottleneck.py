@@ -1,0 +1,244 @@
+"""The gradient bottleneck during training: how much of each head's loss gradient reaches the trunk.
+
+    python experiments/gradient_bottleneck.py --data_dir ../shared/data/ptb [--d 16] [--steps 500]
+
+Godey & Artzi (2026): a head with input ``h`` in R^d passes back to the trunk only the part of
+the gradient at its output that lies in the column space of its Jacobian, ``||P_J g|| / ||g||``
+of ``g = p - e_y`` (:func:`bottleneck.head_gradient_ratio`; for softmax ``J = W``, for a
+pointwise map ``J = diag(...) W``, for a mixture ``J`` is the Jacobian of its log-probabilities).
+Every head's ``J`` has rank at most ``d``: no head widens that column space, but each chooses
+which ``d`` directions it is. For each head this trains the converged study's Transformer
+(``language_model.py --preset transformer-study``, the head at width ``--d``; all of the
+corpus's words) from the same seed for ``--steps`` steps and, every ``--every`` steps, measures
+the ratio at the first ``--positions`` validation positions (whole windows), with the training
+loss of the steps since the last measurement.
+
+Writes OUT/config.json, OUT/heads/HEAD.json (each head's curve, written when the head finishes:
+an interrupted run resumes at the first unfinished head), OUT/gradient_bottleneck.json and
+OUT/gradient_bottleneck.png (median ratio against step, one line per head, quartiles shaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import language_model  # noqa: E402
+
+import bottleneck as bn  # noqa: E402
+from bottleneck.data import batchify  # noqa: E402
+from bottleneck.train import UsageError, open_run, parse_config, progress, replace_fields  # noqa: E402
+from bottleneck.train.lm import pad_window, padded_length  # noqa: E402
+
+HEADS = ("softmax", "sigsoftmax", "plif", "mos", "mixtape")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The share of the loss gradient each head passes back, along training."""
+
+    data_dir: str | None = dataclasses.field(
+        default=None, metadata={"help": "PTB folder (ptb.train.txt, ...); none: download"}
+    )
+    corpus: str = dataclasses.field(default="ptb", metadata={"help": "ptb or wikitext2"})
+    heads: tuple[str, ...] = dataclasses.field(
+        default=HEADS, metadata={"help": "heads, comma-separated"}
+    )
+    d: int = dataclasses.field(default=16, metadata={"help": "the head's input width"})
+    steps: int = dataclasses.field(default=500, metadata={"help": "training steps per head"})
+    every: int = dataclasses.field(default=25, metadata={"help": "steps between measurements"})
+    positions: int = dataclasses.field(
+        default=256, metadata={"help": "validation positions measured (whole windows)"}
+    )
+    trunk_preset: str = dataclasses.field(
+        default="transformer-study", metadata={"help": "language_model.py preset of the trunk"}
+    )
+    train_tokens: int | None = dataclasses.field(
+        default=None, metadata={"help": "first training tokens only (none: all)"}
+    )
+    seed: int = 1
+    out_dir: str = dataclasses.field(
+        default="runs/gradient_bottleneck", metadata={"help": "output folder"}
+    )
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.heads) - set(bn.nn.HEAD_NAMES))
+        if not self.heads or unknown:
+            raise ValueError(f"heads must name known heads {bn.nn.HEAD_NAMES}, got {unknown}")
+        for name in ("d", "steps", "every", "positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.trunk_preset not in language_model.PRESETS:
+            raise ValueError(f"unknown trunk_preset {self.trunk_preset!r}")
+
+
+# A CLI check in seconds: the fixture corpus, a tiny trunk, two heads.
+PRESETS: dict[str, dict[str, Any]] = {
+    "smoke": {
+        "data_dir": str(language_model.FIXTURES_DIR),
+        "heads": ("softmax", "mos"),
+        "d": 4,
+        "steps": 4,
+        "every": 2,
+        "positions": 8,
+        "trunk_preset": "transformer-smoke",
+    },
+}
+
+
+def lm_config(config: Config, head: str) -> language_model.Config:
+    """The trunk preset with this head at width ``d`` (not a run folder of its own)."""
+    changes = {
+        **language_model.PRESETS[config.trunk_preset],
+        "data.corpus": config.corpus,
+        "data.data_dir": config.data_dir,
+        "data.tfds_dir": str(Path(config.out_dir) / "tfds"),
+        "data.train_tokens": config.train_tokens,
+        "head.name": head,
+        "seed": config.seed,
+        "out_dir": config.out_dir,
+    }
+    if changes.get("model") == "transformer":
+        changes["transformer.head_features"] = config.d
+    else:
+        changes["awd_lstm.emsize"] = config.d
+    return replace_fields(language_model.Config(), changes)
+
+
+def measurement_windows(validation: np.ndarray, positions: int, bptt: int) -> np.ndarray:
+    count = min(positions, len(validation) - 1) // bptt
+    if count < 1:
+        raise UsageError(f"--positions {positions} holds no whole window of bptt {bptt}")
+    inputs = validation[: count * bptt].reshape(count, bptt)
+    targets = validation[1 : count * bptt + 1].reshape(count, bptt)
+    return np.stack([inputs, targets])
+
+
+@nnx.jit
+def _ratios(model: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    trunk = model.model  # the Transformer behind the run loop's interface
+    h = trunk.head_input(trunk.features(inputs))
+    return bn.head_gradient_ratio(trunk.head, h, targets)
+
+
+def train_head(config: Config, head: str) -> dict[str, Any]:
+    """One head's curve: step, training loss since the last point, ratio quartiles."""
+    cell = lm_config(config, head)
+    corpus = cell.data.load(config.out_dir)
+    trainer = language_model.build_trainer(cell, corpus, None)
+    inputs, targets = measurement_windows(
+        np.asarray(corpus.validation), config.positions, cell.data.bptt
+    )
+    batched = batchify(np.asarray(corpus.train), cell.data.batch_size)
+    points, losses, step, epoch = [], [], 0, 0
+    start = time.perf_counter()
+
+    def measure() -> None:
+        ratios = np.asarray(_ratios(trainer.model, jnp.asarray(inputs), jnp.asarray(targets)))
+        q1, median, q3 = np.quantile(ratios, [0.25, 0.5, 0.75])
+        loss = float(np.mean(losses)) if losses else None
+        points.append(dict(step=step, train_loss=loss, median=median, q1=q1, q3=q3,
+                           mean=float(ratios.mean())))  # fmt: skip
+        losses.clear()
+
+    measure()
+    bar = progress(None, total=config.steps, desc=f"{head} (d = {config.d})")
+    carry = trainer.initial_carry(cell.data.batch_size)
+    while step < config.steps:
+        for window in cell.data.train_windows(batched, epoch, config.seed):
+            padded = pad_window(window, padded_length(window.seq_len, cell.data.seq_len_bucket))
+            carry, metrics = trainer.train_step(carry, padded, window.lr_scale, averaging=False)
+            losses.append(float(metrics.nll))
+            step += 1
+            bar.update()
+            if step % config.every == 0 or step == config.steps:
+                measure()
+                bar.set_postfix(ratio=f"{points[-1]['median']:.3f}")
+            if step == config.steps:
+                break
+        epoch += 1
+    bar.close()
+    return {
+        "head": head,
+        "d": config.d,
+        "params": sum(x.size for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param))),
+        "seconds": time.perf_counter() - start,
+        "points": [{k: v if v is None else float(v) for k, v in p.items()} for p in points],
+    }
+
+
+def plot(curves: list[dict[str, Any]], path: Path, d: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, curve in enumerate(curves):
+        steps = [p["step"] for p in curve["points"]]
+        ax.plot(steps, [p["median"] for p in curve["points"]], color=f"C{i}", label=curve["head"])
+        ax.fill_between(steps, [p["q1"] for p in curve["points"]],
+                        [p["q3"] for p in curve["points"]], color=f"C{i}", alpha=0.2)  # fmt: skip
+    ax.set_xlabel("training step")
+    ax.set_ylabel("‖P_J g‖ / ‖g‖ (median, quartiles)")
+    ax.set_title(f"Share of the loss gradient passed to the trunk, d = {d}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(config: Config) -> list[dict[str, Any]]:
+    run_dir = open_run(config.out_dir, config, resume=True)
+    heads_dir = run_dir.path("heads")
+    heads_dir.mkdir(exist_ok=True)
+    recorded = {**dataclasses.asdict(config), "out_dir": None}
+    curves = []
+    for head in config.heads:
+        path = heads_dir / f"{head}.json"
+        if path.exists() and json.loads(path.read_text())["config"] == json.loads(
+            json.dumps(recorded)
+        ):
+            curves.append(json.loads(path.read_text())["curve"])
+            continue
+        curve = train_head(config, head)
+        path.write_text(json.dumps({"config": recorded, "curve": curve}, indent=1) + "\n")
+        curves.append(curve)
+    summary = [
+        {"head": c["head"], "d": c["d"], "start": c["points"][0]["median"],
+         "end": c["points"][-1]["median"], "end_train_loss": c["points"][-1]["train_loss"],
+         "seconds": c["seconds"]}
+        for c in curves
+    ]  # fmt: skip
+    run_dir.write_json("gradient_bottleneck.json", {"summary": summary, "curves": curves})
+    plot(curves, run_dir.path("gradient_bottleneck.png"), config.d)
+    for row in summary:
+        print(
+            f"{row['head']:>10}  median ratio {row['start']:.4f} at step 0 -> {row['end']:.4f} "
+            f"at step {config.steps} (train loss {row['end_train_loss']:.3f})"
+        )
+    print(f"wrote {run_dir.path('gradient_bottleneck.json')} and gradient_bottleneck.png")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    config = parse_config(Config, PRESETS, argv)
+    try:
+        return run(config)
+    except UsageError as err:
+        print(f"gradient_bottleneck.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
