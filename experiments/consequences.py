@@ -32,12 +32,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import load_run  # noqa: E402
-from logit_spread import head_inputs  # noqa: E402
-
-import bottleneck as bn  # noqa: E402
-from bottleneck.train import UsageError, parse_config  # noqa: E402
+import bottleneck as bn
+from bottleneck.train import UsageError, parse_config
+from experiments.generate import load_run
+from experiments.logit_spread import head_inputs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,19 +36,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import language_model  # noqa: E402
-
-import bottleneck as bn  # noqa: E402
-from bottleneck.data import EOS, Vocabulary  # noqa: E402
-from bottleneck.train import (  # noqa: E402
+import bottleneck as bn
+from bottleneck.data import EOS, Vocabulary
+from bottleneck.train import (
     UsageError,
     config_from_jsonable,
     parse_config,
     to_jsonable,
 )
-from bottleneck.train.checkpoint import CheckpointStore  # noqa: E402
-from bottleneck.train.run_loop import VOCABULARY_FILE  # noqa: E402
+from bottleneck.train.checkpoint import CheckpointStore
+from bottleneck.train.run_loop import VOCABULARY_FILE
+from experiments import language_model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,13 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import language_model  # noqa: E402
-
-import bottleneck as bn  # noqa: E402
-from bottleneck.data import batchify  # noqa: E402
-from bottleneck.train import UsageError, open_run, parse_config, progress, replace_fields  # noqa: E402
-from bottleneck.train.lm import pad_window, padded_length  # noqa: E402
+import bottleneck as bn
+from bottleneck.data import batchify
+from bottleneck.train import UsageError, open_run, parse_config, progress, replace_fields
+from bottleneck.train.lm import pad_window, padded_length
+from experiments import language_model
 
 HEADS = ("softmax", "sigsoftmax", "plif", "mos", "mixtape")
 

@@ -66,31 +66,28 @@ from typing import Any
 import matplotlib
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import language_model  # noqa: E402
-import rank  # noqa: E402
-
-from bottleneck.nn import HEAD_NAMES  # noqa: E402
-from bottleneck.train import (  # noqa: E402
+from bottleneck.nn import HEAD_NAMES
+from bottleneck.train import (
     RunDir,
     open_run,
     parse_config,
     print_table,
     to_jsonable,
 )
-from bottleneck.train.experiment import (  # noqa: E402
+from bottleneck.train.experiment import (
     UsageError,
     replace_fields,
     validate_config,
 )
-from bottleneck.train.lm_config import (  # noqa: E402
+from bottleneck.train.lm_config import (
     DataConfig,
     EvaluationConfig,
     HeadConfig,
     OptimizerConfig,
     TrainingConfig,
 )
-from bottleneck.train.run_loop import TrainingDiverged  # noqa: E402
+from bottleneck.train.run_loop import TrainingDiverged
+from experiments import language_model, rank
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -39,11 +39,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import load_run  # noqa: E402
-
-from bottleneck.nn.transformer import Transformer  # noqa: E402
-from bottleneck.train import UsageError, parse_config  # noqa: E402
+from bottleneck.nn.transformer import Transformer
+from bottleneck.train import UsageError, parse_config
+from experiments.generate import load_run
 
 SATURATED = 0.95
 

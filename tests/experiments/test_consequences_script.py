@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 import bottleneck as bn
+from experiments import consequences
+from experiments.generate import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
-sys.path.insert(0, str(EXPERIMENTS))
-import consequences  # noqa: E402
-from generate import load_run  # noqa: E402
 
 ENV = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
 

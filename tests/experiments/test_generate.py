@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from experiments import generate
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-import generate  # noqa: E402
 
 # The fixture corpus's vocabulary (tests/data/fixtures/ptb), <eos> closing every line.
 WORDS = {"the", "cat", "sat", "on", "mat", "dog", "a", "<unk>", "N", "years", "ago"}

@@ -1,16 +1,15 @@
 """experiments/gradient_bottleneck.py on the fixture corpus: curves, files, resumption."""
 
 import json
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
+from experiments import gradient_bottleneck
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-import gradient_bottleneck  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

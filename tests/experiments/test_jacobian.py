@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from experiments import jacobian
+
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "jacobian.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import jacobian  # noqa: E402
 
 SMOKE_WIDTH, SMOKE_EXPERTS = 16, (2, 4)
 

@@ -23,11 +23,10 @@ import pytest
 from bottleneck.train import parse_config
 from bottleneck.train.experiment import replace_fields, validate_config
 from bottleneck.train.lm_config import HeadConfig
+from experiments import language_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "language_model.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import language_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +51,8 @@ def _run(env, *args):
 
 # language_model.py that sends itself SIGTERM before training step argv[1] (as an operator's
 # kill would, at a step known in advance); the run saves after that step and exits 128 + 15.
-STOPPED_AT_STEP = f"""
+STOPPED_AT_STEP = """
 import os, signal, sys
-sys.path.insert(0, {str(SCRIPT.parent)!r})
-import language_model
 from bottleneck.train.lm import LanguageModelTrainer
 
 train_step = LanguageModelTrainer.train_step

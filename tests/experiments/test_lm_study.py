@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from experiments import lm_study
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "lm_study.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import lm_study  # noqa: E402
 
 
 @pytest.fixture(scope="module")

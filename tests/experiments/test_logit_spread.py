@@ -2,16 +2,15 @@
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_generate import _train
 
+from experiments import logit_spread
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-import logit_spread  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
+from experiments import synthetic
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "synthetic.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import synthetic  # noqa: E402
 
 
 def _run(*args):
