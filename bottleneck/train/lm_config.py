@@ -28,15 +28,8 @@ import optax
 import tensorflow_datasets as tfds
 
 from bottleneck import nn
-from bottleneck.data import (
-    CORPORA,
-    BpttWindow,
-    batchify,
-    bptt_windows,
-    limit_vocabulary,
-    load_corpus,
-)
-from bottleneck.data.tfds_builders import TokenizedCorpus
+from bottleneck.data import CORPORA, BpttWindow, batchify, bptt_windows, load_corpus
+from bottleneck.data.tfds_builders import TokenizedCorpus, limit_vocabulary
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.heads import LATENTS
 from bottleneck.train.dynamic_eval import STYLES

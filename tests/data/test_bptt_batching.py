@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bottleneck.data import BpttWindow, batchify, bptt_windows, fixed_windows, sample_seq_len
+from bottleneck.data import BpttWindow, batchify, bptt_windows, fixed_windows
+from bottleneck.data.batching import sample_seq_len
 
 
 def reference_batchify(ids: np.ndarray, batch_size: int) -> np.ndarray:

@@ -15,27 +15,30 @@ import tensorflow_datasets as tfds
 
 from bottleneck.data import (
     DATA_DIR_ENV,
-    DATA_URL_ENV,
     EOS,
-    PTB,
-    SHA256SUMS_ENV,
-    SPLITS,
-    WIKITEXT2,
     ChecksumError,
-    CorpusSpec,
     Ptb,
     TokenizedCorpus,
     Vocabulary,
-    corpus_spec,
-    find_corpus_dir,
     load_corpus,
     prepare_corpus,
+)
+from bottleneck.data.corpora import (
+    PTB,
+    SPLITS,
+    WIKITEXT2,
+    CorpusSpec,
+    corpus_spec,
+    find_corpus_dir,
+    read_split_tokens,
+    tokenize_line,
+)
+from bottleneck.data.download import DATA_URL_ENV, SHA256SUMS_ENV
+from bottleneck.data.tfds_builders import (
     read_prepared_ids,
     read_prepared_lines,
     read_prepared_tokens,
-    read_split_tokens,
     release_sha256,
-    tokenize_line,
 )
 
 FIXTURES_DIR = Path(__file__).parent / "fixtures"
@@ -431,7 +434,8 @@ def test_real_corpus_builder_matches_plain_reading(real_corpus) -> None:
 
 
 def test_limit_vocabulary_keeps_the_most_frequent_training_words():
-    from bottleneck.data import TokenizedCorpus, Vocabulary, limit_vocabulary
+    from bottleneck.data import TokenizedCorpus, Vocabulary
+    from bottleneck.data.tfds_builders import limit_vocabulary
 
     vocabulary = Vocabulary(["a", "<eos>", "b", "c", "d", "<unk>"])
     encode = vocabulary.encode

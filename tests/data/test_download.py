@@ -18,21 +18,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from bottleneck.data import (
-    DATA_DIR_ENV,
-    DATA_URL_ENV,
-    PTB,
-    SHA256SUMS_ENV,
-    SPLITS,
-    WIKITEXT2,
-    ChecksumError,
-    CorpusSpec,
-    DownloadError,
-    Ptb,
-    Wikitext2,
-    expected_sha256,
-    load_corpus,
-)
+from bottleneck.data import DATA_DIR_ENV, ChecksumError, DownloadError, Ptb, Wikitext2, load_corpus
+from bottleneck.data.corpora import PTB, SPLITS, WIKITEXT2, CorpusSpec
+from bottleneck.data.download import DATA_URL_ENV, SHA256SUMS_ENV, expected_sha256
 
 FIXTURES_DIR = Path(__file__).parent / "fixtures"
 FIXTURE_TEST_TOKENS = {
