@@ -380,6 +380,11 @@ def head_gradient_ratio(head: Any, h: jax.Array, labels: jax.Array) -> jax.Array
     its log-probabilities :math:`s = \log p(h)` themselves (``log_softmax(s) = s``), so again
     :math:`g = p - e_y`, projected on the columns of :math:`\partial \log p / \partial h`.
 
+    A plain head's Jacobian is built as :math:`\operatorname{diag}(s'(z))\, W` (its score map is
+    elementwise), so pieces with a custom VJP such as PLIF work; a mixture's goes through
+    ``jax.jacfwd`` of its log-probabilities (``d`` forward-mode products), which such pieces do
+    not support.
+
     Example:
       >>> import jax.numpy as jnp, bottleneck as bn
       >>> from flax import nnx
@@ -397,12 +402,15 @@ def head_gradient_ratio(head: Any, h: jax.Array, labels: jax.Array) -> jax.Array
       ``[...]`` ratios in ``[0, 1]``.
     """
     vocab = head.vocab_size
-
-    def scores(x: jax.Array) -> jax.Array:
-        if head.is_mixture:
-            return head(x)
-        return head.log_scores(head.logits(x))[..., :vocab]
-
-    s = scores(h)
+    if head.is_mixture:
+        log_p = head(h)
+        g = jnp.exp(log_p) - jax.nn.one_hot(labels, vocab, dtype=log_p.dtype)
+        return jacobian_gradient_ratio(head, h, g)
+    s, pullback = jax.vjp(head.log_scores, head.logits(h))
+    # log_scores is elementwise, so pulling back ones gives its Jacobian's diagonal: J = diag(s') W
+    # exactly, also for pieces with a custom VJP (PLIF) that forward-mode jacfwd cannot go through.
+    (slopes,) = pullback(jnp.ones_like(s))
+    s, slopes = s[..., :vocab], slopes[..., :vocab]
     g = jax.nn.softmax(s, axis=-1) - jax.nn.one_hot(labels, vocab, dtype=s.dtype)
-    return jacobian_gradient_ratio(scores, h, g)
+    decoder = head.decoder[...][:vocab].astype(s.dtype)
+    return _projected_share(slopes[..., :, None] * decoder, g)

@@ -182,6 +182,26 @@ def test_head_ratio_of_a_softmax_head_is_the_decoders():
     np.testing.assert_allclose(bn.head_gradient_ratio(head, h, labels), want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["sigsoftmax", "plif", "monotone_mlp", "relu"])
+def test_head_ratio_of_a_pointwise_head_uses_its_whole_jacobian(name):
+    # PLIF has a custom VJP (no forward mode): the reference Jacobian is reverse-mode, per position.
+    head = nn.make_head(name, 5, 40, rngs=nnx.Rngs(1))
+    h = 3.0 * jax.random.normal(jax.random.key(5), (2, 3, 5))
+    labels = jax.random.randint(jax.random.key(6), (2, 3), 0, 40)
+    got = jax.jit(lambda h, y: bn.head_gradient_ratio(head, h, y))(h, labels)
+    assert got.shape == (2, 3) and np.all(np.isfinite(got))
+
+    def scores(x):
+        return head.log_scores(head.logits(x))[:40]
+
+    want = []
+    for x, y in zip(np.asarray(h).reshape(-1, 5), np.asarray(labels).reshape(-1), strict=True):
+        J = np.asarray(jax.jacrev(scores)(jnp.asarray(x)), np.float64)
+        p = np.asarray(jax.nn.softmax(scores(jnp.asarray(x))), np.float64)
+        want.append(reference_ratio(J, p - np.eye(40)[y]))
+    np.testing.assert_allclose(np.asarray(got).reshape(-1), want, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["mos", "mixtape"])
 def test_head_ratio_of_a_mixture_projects_p_minus_e_y_on_its_log_prob_jacobian(name):
     head = nn.make_head(name, 6, 30, num_components=3, rngs=nnx.Rngs(0))
