@@ -35,6 +35,8 @@ from bottleneck.spectrum import (
 from bottleneck.truncation import bat_keep_mask
 
 __version__ = "0.1.0"
+# The distribution's name; the import name is shared with NumPy's Bottleneck (experiments/ checks it).
+__distribution__ = "softmax-bottleneck"
 
 __all__ = [
     "bat_keep_mask",

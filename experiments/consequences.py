@@ -23,6 +23,7 @@ folder) and prints them.
 
 from __future__ import annotations
 
+import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import json
 import sys

@@ -26,6 +26,7 @@ under RUN/tfds if that was deleted.
 
 from __future__ import annotations
 
+import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import datetime
 import json

@@ -20,6 +20,7 @@ OUT/gradient_bottleneck.png (median ratio against step, one line per head, quart
 
 from __future__ import annotations
 
+import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import json
 import sys

@@ -20,6 +20,7 @@ row per layer), singular_values.png (the note's figures), metrics.jsonl (per-lay
 
 from __future__ import annotations
 
+import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import os
 import sys

@@ -44,6 +44,7 @@ must divide) and splits the head's decoder, the tied embedding and the normalize
 
 from __future__ import annotations
 
+import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import sys
 from pathlib import Path

@@ -52,6 +52,7 @@ each head's test log-probabilities (``rank/<head>/``, via ``experiments/rank.py 
 
 from __future__ import annotations
 
+import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import csv
 import dataclasses
 import hashlib

@@ -30,6 +30,7 @@ large heads.
 
 from __future__ import annotations
 
+import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import json
 import sys

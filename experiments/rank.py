@@ -48,6 +48,7 @@ rank_vs_d.png (numerical rank against d, one line per head, d + 2 dashed) and sp
 
 from __future__ import annotations
 
+import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import sys
 import time

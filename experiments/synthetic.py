@@ -17,6 +17,7 @@ alpha (mode matching and KL against d, one line per head) into --out_dir.
 
 from __future__ import annotations
 
+import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import sys
 import time
