@@ -18,7 +18,8 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
   attack of Finlayson et al. 2024 recovers it), more where a head breaks the bottleneck.
 
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
-folder) and prints them.
+folder), the same rows as a Markdown table beside it (``.md``), and prints the table; each row
+times the exact LPs (``unargmaxable_seconds``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import bottleneck as bn
-from bottleneck.train import UsageError, parse_config
+from bottleneck.train import UsageError, parse_config, print_table
 from experiments.generate import load_run
 from experiments.logit_spread import head_inputs
+
+TABLE_COLUMNS = (
+    "head", "d", "vocab_size", "unargmaxable", "unargmaxable_train_share",
+    "unargmaxable_seen_as_argmax", "distinct_argmaxes", "hidden_size_estimate", "positions",
+    "unargmaxable_seconds",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +76,9 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
     head = model.head
     decoder = np.asarray(head.decoder[...], np.float64)[:vocab_size]
     bias = None if head.bias is None else np.asarray(head.bias[...], np.float64)[:vocab_size]
+    start = time.perf_counter()
     unargmaxable = bn.unargmaxable_tokens(decoder, bias)
+    seconds = time.perf_counter() - start
     counts = np.bincount(np.asarray(corpus.train), minlength=vocab_size)
     validation = np.asarray(corpus.validation)
     length = config.data.bptt
@@ -86,6 +96,7 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
         "vocab_size": vocab_size,
         "unargmaxable": int(unargmaxable.size),
         "unargmaxable_train_share": float(counts[unargmaxable].sum() / counts.sum()),
+        "unargmaxable_seconds": seconds,
         "unargmaxable_tokens": [vocabulary.tokens[i] for i in unargmaxable[:20]],
         "unargmaxable_seen_as_argmax": int(np.isin(unargmaxable, argmaxes).sum()),
         "distinct_argmaxes": int(argmaxes.size),
@@ -103,8 +114,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit(2) from None
     out = Path(config.out or Path(config.run_dirs[0]) / "consequences.json")
     out.write_text(json.dumps(rows, indent=1) + "\n")
-    print(json.dumps(rows, indent=1))
-    print(f"wrote {out}")
+    with out.with_suffix(".md").open("w") as table:
+        print_table(rows, TABLE_COLUMNS, floatfmt=".3g", file=table)
+    print_table(rows, TABLE_COLUMNS, floatfmt=".3g")
+    print(f"wrote {out} and {out.with_suffix('.md').name}")
     return rows
 
 

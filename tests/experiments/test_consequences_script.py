@@ -40,7 +40,10 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
         ["--run_dirs", f"{runs['softmax']},{runs['mos']}", "--tokens", "6", "--out", str(out)]
     )
     assert json.loads(out.read_text()) == rows
+    table = (tmp_path / "c.md").read_text().splitlines()
+    assert len(table) == 2 + len(rows) and table[0].split("|")[1].strip() == "head"
     softmax, mos = rows
+    assert softmax["unargmaxable_seconds"] > 0
     # The Transformer presets give mixtures linear latents.
     assert (softmax["head"], mos["head"], mos["latent"]) == ("softmax", "mos", "linear")
     _, vocabulary, model = load_run(str(runs["softmax"]))
