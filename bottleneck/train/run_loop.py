@@ -45,7 +45,8 @@ gives another vocabulary is refused), metrics.jsonl (one line per epoch: train l
 validation perplexity, seconds, tokens/s; a final "test" line), results.json,
 log_probs/block_*.npy (test log-probabilities [T_i, M], float32, one row per test token in
 evaluation order: window, time step, sequence), log_prob_targets.npy (the rows' target ids) and
-checkpoints/.
+checkpoints/ (each array by its parameter path, such as ``best_params/model/head/bias/value``:
+:func:`~bottleneck.train.checkpoint.checkpoint_contents` lists them).
 """
 
 from __future__ import annotations
