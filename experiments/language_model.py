@@ -41,6 +41,8 @@ must divide) and splits the head's decoder, the tied embedding and the normalize
 (tests/test_sharding.py). The script runs in one process; a multi-host run would need
 :func:`bottleneck.sharding.initialize_distributed` and an output folder that every host can
 write (checkpoints are written by Orbax, each host its own shards), which nothing tests yet.
+A checkpoint that cannot be written (a full disk) stops the run with a one-line error and exit
+status 2, its partial folder deleted; rerunning the command resumes from the last complete one.
 """
 
 from __future__ import annotations

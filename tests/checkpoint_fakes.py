@@ -1,7 +1,9 @@
-"""Stand-ins for tests of bottleneck/train/checkpoint.py: an older commit's checkpoint writer."""
+"""Stand-ins for tests of bottleneck/train/checkpoint.py: an older commit's checkpoint writer,
+and a full disk for machines where a test cannot mount a small filesystem."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore
 
 
 def save_old_format(
@@ -25,3 +28,27 @@ def save_old_format(
             for name, tree in items.items()
         }
         manager.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(dict(meta))))
+
+
+def fill_disk(monkeypatch: Any, spare_checkpoints: int = 0) -> None:
+    """From the checkpoint after the next ``spare_checkpoints`` on, every array Orbax creates
+    fails as on a full disk: TensorStore's error, as a real full tmpfs raised it."""
+    real_open = tensorstore.open
+    steps_written: list[str] = []
+
+    def open_on_a_full_disk(spec: Any, *args: Any, **kwargs: Any) -> Any:
+        kvstore = spec.to_json()["kvstore"] if isinstance(spec, tensorstore.Spec) else {}
+        folder = kvstore.get("base", kvstore).get("path", "")
+        step = re.search(r"/(\d+)\.orbax-checkpoint-tmp", folder)
+        if kwargs.get("create") and step:
+            if step.group(1) not in steps_written:
+                steps_written.append(step.group(1))
+            if len(steps_written) > spare_checkpoints:
+                raise ValueError(
+                    f'RESOURCE_EXHAUSTED: Error writing "{kvstore.get("path", "")}0.0" in OCDBT '
+                    f'database at local file "{folder}": Failed writing: "{folder}d/0": Failed to '
+                    "write 4096 bytes to file 11: No space left on device [os_error_code='28']"
+                )
+        return real_open(spec, *args, **kwargs)
+
+    monkeypatch.setattr(tensorstore, "open", open_on_a_full_disk)

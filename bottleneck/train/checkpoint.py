@@ -23,11 +23,17 @@ same output folder cannot write into, or resume from, each other's checkpoints.
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import re
+import shutil
 import signal
+import sys
+import time
 import types
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,11 @@ META_ITEM = "meta"
 
 # (dtype name, shape) of one stored or expected array.
 Signature = tuple[str, tuple[int, ...]]
+
+
+class CheckpointWriteError(RunFolderError):
+    """A checkpoint could not be written (a full disk, a read-only folder); its partial folder
+    is deleted and the folder's previous checkpoint is still the latest."""
 
 
 # -- pytrees by name -----------------------------------------------------------------------------
@@ -160,6 +171,87 @@ def _rebuilt(template: Any, restored: Any, stored_names: list[str]) -> Any:
     )
 
 
+# -- write failures ------------------------------------------------------------------------------
+
+# TensorStore (Orbax's array writer) reports an operating-system error as a ValueError whose
+# message carries the errno: 'RESOURCE_EXHAUSTED: ... No space left on device [os_error_code=28]'.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _is_write_failure(err: Exception) -> bool:
+    """An error of the filesystem (full, read-only, gone), not of the code or the data."""
+    return isinstance(err, OSError) or bool(_OS_ERROR_CODE.search(str(err)))
+
+
+def _failure_reason(err: Exception) -> str:
+    """``No space left on device``: the operating system's words for a write failure."""
+    code = _OS_ERROR_CODE.search(str(err))
+    if code:
+        return os.strerror(int(code.group(1)))
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return str(err).splitlines()[0]
+
+
+def _failed_item(err: Exception, step: int, names: Collection[str]) -> str | None:
+    """The item whose folder the failed write was in (Orbax writes item ``state`` of step 8 to
+    ``8.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/``), or None."""
+    found = re.search(rf"(?:^|/){step}\.orbax-checkpoint-tmp[^/]*/([^/.]+)", str(err))
+    return found.group(1) if found and found.group(1) in names else None
+
+
+class _FailedWriteEchoes:
+    """Context manager around a save: silences the echoes of a failed write, and waits until
+    the writes it abandoned have ended.
+
+    When one array write fails, Orbax logs the error with its traceback in each thread it passes
+    through, then returns leaving the other writes running on TensorStore's threads: as each
+    ends, its callback finds Orbax's event loop closed (``RuntimeError: Event loop is closed``,
+    through ``sys.unraisablehook``), and asyncio logs each abandoned gather's error when it is
+    garbage collected, at exit if not before. A full disk printed 800 lines around the one
+    error, which still reaches the caller (as :class:`CheckpointWriteError`).
+    """
+
+    LOGGERS = ("absl", "asyncio")
+    ABANDONED_WRITE_ENDED = "Event loop is closed"
+
+    def __enter__(self) -> _FailedWriteEchoes:
+        self._last_echo = time.monotonic()
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self._is_not_write_failure)
+        return self
+
+    @staticmethod
+    def _is_not_write_failure(record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, Exception) and _is_write_failure(error))
+
+    def _unraisable(self, unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == self.ABANDONED_WRITE_ENDED:
+            self._last_echo = time.monotonic()
+        else:
+            self._previous_hook(unraisable)
+
+    def settle(self, quiet: float = 0.5, limit: float = 30.0) -> None:
+        """Returns once no abandoned write has ended for ``quiet`` seconds (or after ``limit``),
+        its echoes collected: a write still running could put files back into the partial
+        folder, and a gather collected later would log outside this silencer."""
+        start = self._last_echo = time.monotonic()
+        while time.monotonic() - self._last_echo < quiet and time.monotonic() - start < limit:
+            time.sleep(0.05)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+            gc.collect()
+
+    def __exit__(self, *exc_info: object) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self._is_not_write_failure)
+        sys.unraisablehook = self._previous_hook
+
+
 class CheckpointStore:
     """Numbered checkpoints in ``directory`` (an Orbax ``CheckpointManager``).
 
@@ -194,7 +286,12 @@ class CheckpointStore:
 
     def save(self, step: int, items: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         """Writes checkpoint ``step``: each pytree in ``items`` (by its key paths) and the
-        JSON-able ``meta``."""
+        JSON-able ``meta``.
+
+        Raises:
+          CheckpointWriteError: the filesystem refused a write (a full disk); the partial
+            checkpoint is deleted and the previous one stays the latest.
+        """
         if META_ITEM in items:
             raise ValueError(f"items must not use the reserved name {META_ITEM!r}")
         args = {
@@ -202,8 +299,32 @@ class CheckpointStore:
             for name, tree in items.items()
         }
         args[META_ITEM] = ocp.args.JsonSave(dict(meta))
-        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
-        self._manager.wait_until_finished()
+        with _FailedWriteEchoes() as echoes:
+            try:
+                self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+                self._manager.wait_until_finished()
+                return
+            except (OSError, ValueError) as err:
+                if not _is_write_failure(err):
+                    raise
+                item, reason = _failed_item(err, step, args), _failure_reason(err)
+            # Out of the handler, so that the error and the writes it abandoned can be collected.
+            echoes.settle()
+        self._delete_partial(step)
+        raise CheckpointWriteError(self._write_failure_message(step, item, reason))
+
+    def _delete_partial(self, step: int) -> None:
+        """Deletes the folder Orbax was writing step ``step`` into (``8.orbax-checkpoint-tmp``)."""
+        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def _write_failure_message(self, step: int, item: str | None, reason: str) -> str:
+        latest = self.latest_step()
+        kept = "there is no earlier one" if latest is None else f"checkpoint {latest} is kept"
+        return (
+            f"cannot write checkpoint {step}{'' if item is None else f' (item {item!r})'} in "
+            f"{self.directory}: {reason}; the partial checkpoint was deleted and {kept}"
+        )
 
     def contents(self, step: int | None = None) -> dict[str, dict[str, Signature]]:
         """Item name -> array name -> ``(dtype, shape)`` of checkpoint ``step`` (default the

@@ -37,7 +37,8 @@ epoch, step), so a resumed run continues as if never stopped. :func:`open_sessio
 folder whose checkpointed run had another config, but for the fields it is told may change.
 On SIGINT / SIGTERM the run finishes its step, saves and exits with status 128 + signal; a
 training loss that turns NaN or infinite stops it with :class:`TrainingDiverged` before anything
-of the broken epoch is saved.
+of the broken epoch is saved; a checkpoint that cannot be written (a full disk) stops it with
+:class:`~bottleneck.train.checkpoint.CheckpointWriteError`, the last complete checkpoint kept.
 
 Writes to the run folder: config.json, vocab.txt (the vocabulary, one token per line in id
 order: what a model's ids mean, for sampling without the corpus; a resumed run whose corpus

@@ -1,15 +1,20 @@
-"""CheckpointStore: pytrees by name, mismatches by path, older checkpoints."""
+"""CheckpointStore: pytrees by name, mismatches by path, older checkpoints, a full disk."""
+
+import os
+import subprocess
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
 
-from bottleneck.train.checkpoint import CheckpointStore, checkpoint_contents
+from bottleneck.train.checkpoint import CheckpointStore, CheckpointWriteError, checkpoint_contents
+from bottleneck.train.experiment import RunFolderError
 from bottleneck.train.lm import LMTrainState
-from tests.checkpoint_fakes import save_old_format
+from tests.checkpoint_fakes import fill_disk, save_old_format
 
 
 def _train_state(seed=0):
@@ -111,8 +116,61 @@ def test_checkpoints_of_the_older_unnamed_format_still_restore(tmp_path):
     assert "params/kernel/value" in checkpoint_contents(tmp_path)["state"]
 
 
-def test_a_leaf_orbax_cannot_store_is_its_error(tmp_path):
+def _leftovers(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if "tmp" in p.name)
+
+
+def test_a_full_disk_is_one_error_and_the_last_checkpoint_stays(tmp_path, monkeypatch, caplog):
+    items = _items()
     with CheckpointStore(tmp_path) as store:
-        with pytest.raises(ValueError, match="Unsupported type"):
+        store.save(1, items, {"epoch": 1})
+        fill_disk(monkeypatch)
+        with pytest.raises(CheckpointWriteError) as error:
+            store.save(2, _items(seed=1), {"epoch": 2})
+        monkeypatch.undo()
+        assert isinstance(error.value, RunFolderError)  # scripts print it as one line
+        message = str(error.value)
+        assert message.startswith("cannot write checkpoint 2 (item '") and "\n" not in message
+        assert f"in {tmp_path}: No space left on device;" in message
+        assert message.endswith("the partial checkpoint was deleted and checkpoint 1 is kept")
+        assert _leftovers(tmp_path) == [] and store.latest_step() == 1
+        # Orbax's own reports of the failure (logged from its threads) were not repeated.
+        assert not [r for r in caplog.records if "RESOURCE_EXHAUSTED" in r.getMessage()]
+    with CheckpointStore(tmp_path) as store:
+        restored, meta = store.restore(_items(seed=2))
+    chex.assert_trees_all_equal(restored, items)
+    assert meta == {"epoch": 1}
+
+
+def test_errors_that_are_not_the_filesystems_are_not_write_errors(tmp_path):
+    with CheckpointStore(tmp_path) as store:
+        with pytest.raises(ValueError, match="Unsupported type") as error:  # Orbax's
             store.save(1, {"tree": {"a": object()}}, {})
+        assert not isinstance(error.value, CheckpointWriteError)
         assert store.latest_step() is None
+
+
+def _mount_tmpfs(folder, size):
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)])
+    return mounted.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root")
+def test_a_real_full_disk(tmp_path):
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "1m"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        small = {"tree": {"w": jnp.ones((8, 8))}}
+        # Random values: Orbax compresses its chunks, and 2 MB of noise does not shrink to 1 MB.
+        large = {"tree": {"w": jax.random.normal(jax.random.key(0), (512, 1024))}}
+        with CheckpointStore(disk) as store:
+            store.save(1, small, {})
+            with pytest.raises(CheckpointWriteError, match="No space left on device"):
+                store.save(2, large, {})
+            assert _leftovers(disk) == [] and store.latest_step() == 1
+            restored, _ = store.restore(small)
+        np.testing.assert_array_equal(restored["tree"]["w"], small["tree"]["w"])
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
