@@ -43,6 +43,7 @@ napoleon_numpy_docstring = False
 nb_execution_mode = "off"  # the notebook's saved outputs, as tests/test_notebook.py checks them
 myst_enable_extensions = ["dollarmath"]
 myst_heading_anchors = 3
-exclude_patterns = ["_build", "results/*.csv"]
+# results/ holds what the scripts wrote; pages include its tables.
+exclude_patterns = ["_build", "results/*.csv", "results/*.md"]
 html_theme = "furo"
 html_title = "softmax-bottleneck"
