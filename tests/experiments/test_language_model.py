@@ -55,6 +55,7 @@ def _run(env, *args):
 STOPPED_AT_STEP = """
 import os, signal, sys
 from bottleneck.train.lm import LanguageModelTrainer
+from experiments import language_model
 
 train_step = LanguageModelTrainer.train_step
 
