@@ -53,7 +53,7 @@ def test_readme_synthetic_table_is_what_the_code_computes(tmp_path):
     out = tmp_path / "synthetic"
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
     subprocess.run(
-        [sys.executable, str(script), "--dims", "4", "--heads", "softmax,plif", "--out_dir", str(out)],
+        [sys.executable, str(script), "--dims", "4", "--heads", "softmax", "plif", "--out_dir", str(out)],
         check=True, capture_output=True, cwd=README.parent, timeout=600,
         env={**os.environ, "XLA_FLAGS": flags.strip()},
     )  # fmt: skip
