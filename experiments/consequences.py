@@ -16,6 +16,9 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
 * ``hidden_size_estimate``: :func:`bottleneck.estimate_hidden_size` of the head's full
   log-probabilities at those positions: the head's input width ``d`` for a softmax head (the
   attack of Finlayson et al. 2024 recovers it), more where a head breaks the bottleneck.
+* ``gradient_ratio_median``: the median over those positions of
+  :func:`bottleneck.head_gradient_ratio`, the share of the loss gradient at the head's output
+  that reaches its input (Godey & Artzi 2026), for the trained model.
 
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
 folder), the same rows as a Markdown table beside it (``.md``), and prints the table; each row
@@ -32,8 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import bottleneck as bn
 from bottleneck.train import UsageError, parse_config, print_table
@@ -43,7 +48,8 @@ from experiments.logit_spread import head_inputs
 
 TABLE_COLUMNS = (
     "head", "d", "vocab_size", "unargmaxable", "unargmaxable_train_share",
-    "unargmaxable_seen_as_argmax", "distinct_argmaxes", "hidden_size_estimate", "positions",
+    "unargmaxable_seen_as_argmax", "distinct_argmaxes", "hidden_size_estimate",
+    "gradient_ratio_median", "positions",
     "unargmaxable_seconds",
 )  # fmt: skip
 
@@ -60,6 +66,20 @@ class Config(Checked):
         super().__post_init__()
         if not self.run_dirs:
             raise ValueError("--run_dirs must name at least one run folder")
+
+
+@nnx.jit
+def _gradient_ratios(head: Any, h: jax.Array, labels: jax.Array) -> jax.Array:
+    return bn.head_gradient_ratio(head, h, labels)
+
+
+def gradient_ratios(head: Any, h: jax.Array, labels: np.ndarray, chunk: int = 64) -> np.ndarray:
+    """:func:`bottleneck.head_gradient_ratio` at each position, ``chunk`` positions at a time
+    (each holds a ``[vocab, d]`` Jacobian)."""
+    return np.concatenate([
+        np.asarray(_gradient_ratios(head, h[i : i + chunk], jnp.asarray(labels[i : i + chunk])))
+        for i in range(0, len(labels), chunk)
+    ])  # fmt: skip
 
 
 def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
@@ -80,7 +100,10 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
     if count < 1:
         raise UsageError(f"--tokens {tokens} holds no whole window of bptt {length}")
     windows = validation[: count * length].reshape(count, length)
-    log_probs = np.asarray(head(head_inputs(model, windows)), np.float32).reshape(-1, vocab_size)
+    h = head_inputs(model, windows)
+    log_probs = np.asarray(head(h), np.float32).reshape(-1, vocab_size)
+    targets = validation[1 : count * length + 1].reshape(count, length)
+    ratios = gradient_ratios(head, h.reshape(-1, h.shape[-1]), targets.reshape(-1))
     argmaxes = np.unique(log_probs.argmax(axis=-1))
     return {
         "run_dir": run_dir,
@@ -95,6 +118,7 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
         "unargmaxable_seen_as_argmax": int(np.isin(unargmaxable, argmaxes).sum()),
         "distinct_argmaxes": int(argmaxes.size),
         "hidden_size_estimate": bn.estimate_hidden_size(jnp.asarray(log_probs)),
+        "gradient_ratio_median": float(np.median(ratios)),
         "positions": int(log_probs.shape[0]),
     }
 

@@ -86,7 +86,7 @@ def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nn
             f"{config_path} does not load in this language_model.py ({err}): the run was made by "
             "another version of it"
         ) from None
-    # The run's corpus is prepared under its own folder (tfds_dir none: OUT_DIR/tfds), wherever
+    # The run's corpus is prepared under its own folder (tfds_dir None: OUT_DIR/tfds), wherever
     # the folder is now.
     config = dataclasses.replace(config, out_dir=str(root))
     checkpoints = root / "checkpoints"

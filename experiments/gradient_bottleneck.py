@@ -14,8 +14,9 @@ the ratio at the first ``--positions`` validation positions (whole windows), wit
 loss of the steps since the last measurement.
 
 Writes OUT/config.json, OUT/heads/HEAD.json (each head's curve, written when the head finishes:
-an interrupted run resumes at the first unfinished head), OUT/gradient_bottleneck.json and
-OUT/gradient_bottleneck.png (median ratio against step, one line per head, quartiles shaded).
+an interrupted run resumes at the first unfinished head), OUT/gradient_bottleneck.json, its
+summary as a Markdown table (.md), and OUT/gradient_bottleneck.png (median ratio against step,
+one line per head, quartiles shaded).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from flax import nnx
 
 import bottleneck as bn
 from bottleneck.data import batchify
-from bottleneck.nn import HeadName
-from bottleneck.train import UsageError, open_run, parse_config, progress
+from bottleneck.nn.presets import HeadName
+from bottleneck.train import UsageError, open_run, parse_config, print_table, progress
 from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.lm import pad_window, padded_length
 from bottleneck.train.run_folder import to_jsonable
@@ -198,12 +199,10 @@ def run(config: Config) -> list[dict[str, Any]]:
     ]  # fmt: skip
     run_dir.write_json("gradient_bottleneck.json", {"summary": summary, "curves": curves})
     plot(curves, run_dir.path("gradient_bottleneck.png"), config.d)
-    for row in summary:
-        print(
-            f"{row['head']:>10}  median ratio {row['start']:.4f} at step 0 -> {row['end']:.4f} "
-            f"at step {config.steps} (train loss {row['end_train_loss']:.3f})"
-        )
-    print(f"wrote {run_dir.path('gradient_bottleneck.json')} and gradient_bottleneck.png")
+    with run_dir.path("gradient_bottleneck.md").open("w") as table:
+        print_table(summary, floatfmt=".4g", file=table)
+    print_table(summary, floatfmt=".4g")
+    print(f"wrote {run_dir.root}/gradient_bottleneck.json, .md and .png")
     return summary
 
 

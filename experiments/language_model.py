@@ -39,8 +39,11 @@ what it does. A resumed run may change only the fields in ``RESUMABLE_CHANGES`` 
 ``--mesh data=4,vocab=2`` (default: every device on ``data``) shards the batch (``--batch_size``
 must divide) and splits the head's decoder, the tied embedding and the normalizers over
 ``vocab`` (:mod:`bottleneck.sharding`); results equal one device's to float32 round-off
-(tests/test_sharding.py). The script runs in one process; multi-host runs would need
-:func:`bottleneck.sharding.initialize_distributed` and host-local checkpointing.
+(tests/test_sharding.py). The script runs in one process; a multi-host run would need
+:func:`bottleneck.sharding.initialize_distributed` and an output folder that every host can
+write (checkpoints are written by Orbax, each host its own shards), which nothing tests yet.
+A checkpoint that cannot be written (a full disk) stops the run with a one-line error and exit
+status 2, its partial folder deleted; rerunning the command resumes from the last complete one.
 """
 
 from __future__ import annotations

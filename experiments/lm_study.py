@@ -69,7 +69,7 @@ from typing import Any
 import matplotlib
 import numpy as np
 
-from bottleneck.nn import HeadName
+from bottleneck.nn.presets import HeadName
 from bottleneck.train import (
     DataConfig,
     EvaluationConfig,

@@ -14,7 +14,7 @@ both recorded in config.json: the output bias is drawn from N(0, bias_std^2) so 
 (bias_std 0 gives d + 1 for softmax), and the decoder W is redrawn from N(0, logit_std^2 / d') so
 the logits W h have standard deviation about logit_std (d' = the decoder's input width; exactly
 logit_std for the single-component heads, less for mixtures, whose tanh latents are < 1). The
-heads' own U(-0.1, 0.1) init (`--logit_std none`) gives logits of std 0.16-0.5, where every
+heads' own U(-0.1, 0.1) init (`--logit_std None`) gives logits of std 0.16-0.5, where every
 normalizer is nearly linear and the log-probs are nearly the constant -log M: the numerical
 ranks still separate softmax from the rest, but the effective rank is 1 for all but ReLU. PLIF
 starts with plif_noise = 1 (otherwise it is the identity, i.e. softmax). The effective rank is
@@ -64,7 +64,8 @@ from flax import nnx
 import bottleneck as bn
 from bottleneck import nn
 from bottleneck import spectrum_streaming as ss
-from bottleneck.nn import HEAD_NAMES, HeadName, make_head
+from bottleneck.nn import HEAD_NAMES, make_head
+from bottleneck.nn.presets import HeadName
 from bottleneck.train import RunDir, UsageError, open_run, parse_config, print_table, progress
 from bottleneck.train.experiment import (
     Checked,

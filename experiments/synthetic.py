@@ -31,8 +31,8 @@ from flax import nnx
 
 from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy, synthetic_metrics
-from bottleneck.nn import HeadName
 from bottleneck.nn.models import ContextEmbeddingModel
+from bottleneck.nn.presets import HeadName
 from bottleneck.sharding import (
     mesh_from_flag,
     require_data_divides,

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import bottleneck as bn
@@ -22,8 +24,10 @@ from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy
 from bottleneck.nn.models import ContextEmbeddingModel
 from bottleneck.sharding import make_mesh, require_data_divides, shard_batch
 from bottleneck.train import Trainer, make_optimizer
+from bottleneck.train.checkpoint import CheckpointStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from checkpoint_fakes import save_old_format  # noqa: E402
 from head_combos import PAIRWISE_COMBOS, build_head, keep_relu_off_its_kink  # noqa: E402
 
 MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
@@ -292,6 +296,38 @@ def data_divides_case() -> float:
     return 1.0
 
 
+def _head_with_adam(seed: int) -> dict:
+    """A vocab-split MoS head's parameters and Adam state (built on the current mesh)."""
+    head = nn.make_head("mos", DIM, VOCAB_SIZE, rngs=nnx.Rngs(seed), num_components=3)
+    params = nnx.state(head, nnx.Param)
+    return {"params": params, "adam": jax.jit(optax.adam(1e-3).init)(params)}
+
+
+def checkpoint_case(mesh_spec: str) -> float:
+    """Sharded state saved by CheckpointStore, and the same in the older unnamed format (saved
+    from the host), restored onto a fresh state's shardings: the largest deviation from the
+    saved values, 1.0 if an array comes back on another sharding or nothing was sharded."""
+    mesh = make_mesh(mesh_spec)
+    with jax.set_mesh(mesh):
+        saved, template = _head_with_adam(0), _head_with_adam(1)
+    if all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(saved)):
+        return _failed("checkpoint: no array of the head is sharded")
+    deviation = 0.0
+    with tempfile.TemporaryDirectory() as folder:
+        with CheckpointStore(pathlib.Path(folder) / "by_name") as store:
+            store.save(1, {"state": saved}, {})
+            by_name = store.restore({"state": template})[0]["state"]
+        save_old_format(pathlib.Path(folder) / "by_position", 1, {"state": saved}, {})
+        with CheckpointStore(pathlib.Path(folder) / "by_position") as store:
+            by_position = store.restore({"state": template})[0]["state"]
+    for restored in (by_name, by_position):
+        for got, where in zip(jax.tree.leaves(restored), jax.tree.leaves(template), strict=True):
+            if got.sharding != where.sharding:
+                return _failed(f"checkpoint: restored on {got.sharding}, not {where.sharding}")
+        deviation = max(deviation, _max_deviation(restored, saved))
+    return deviation
+
+
 def main() -> None:
     assert jax.device_count() == 8, f"run with 8 fake devices, got {jax.device_count()}"
     results = {}
@@ -311,6 +347,7 @@ def main() -> None:
     results["errors:bad_shapes"] = bad_shapes_case()
     results["errors:bad_labels:data=2,vocab=4"] = bad_labels_case("data=2,vocab=4")
     results["errors:data_divides"] = data_divides_case()
+    results[f"checkpoint:{COMPOSITION_MESH}"] = checkpoint_case(COMPOSITION_MESH)
     json.dump(results, sys.stdout)
 
 

@@ -13,13 +13,12 @@ from bottleneck.nn.pieces import (
     param_labels,
     relu_normalizer,
 )
-from bottleneck.nn.presets import HEAD_NAMES, HeadName, head_options, is_mixture_preset, make_head
+from bottleneck.nn.presets import HEAD_NAMES, head_options, is_mixture_preset, make_head
 from bottleneck.nn.transformer import Transformer
 
 __all__ = [
     "AWDLSTM",
     "HEAD_NAMES",
-    "HeadName",
     "NORMALIZERS",
     "PLIF",
     "ContextEmbeddingModel",

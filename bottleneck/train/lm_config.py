@@ -32,8 +32,8 @@ import tyro
 from bottleneck import nn
 from bottleneck.data import CORPORA, BpttWindow, batchify, bptt_windows, load_corpus
 from bottleneck.data.tfds_builders import TokenizedCorpus, limit_vocabulary
-from bottleneck.nn import HeadName
 from bottleneck.nn.heads import LATENTS
+from bottleneck.nn.presets import HeadName
 from bottleneck.train.dynamic_eval import STYLES
 from bottleneck.train.experiment import Checked, Count, Interval, NonNegative, Positive
 from bottleneck.train.lm import padded_length

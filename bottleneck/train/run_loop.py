@@ -37,7 +37,8 @@ epoch, step), so a resumed run continues as if never stopped. :func:`open_sessio
 folder whose checkpointed run had another config, but for the fields it is told may change.
 On SIGINT / SIGTERM the run finishes its step, saves and exits with status 128 + signal; a
 training loss that turns NaN or infinite stops it with :class:`TrainingDiverged` before anything
-of the broken epoch is saved.
+of the broken epoch is saved; a checkpoint that cannot be written (a full disk) stops it with
+:class:`~bottleneck.train.checkpoint.CheckpointWriteError`, the last complete checkpoint kept.
 
 Writes to the run folder: config.json, vocab.txt (the vocabulary, one token per line in id
 order: what a model's ids mean, for sampling without the corpus; a resumed run whose corpus
@@ -45,7 +46,8 @@ gives another vocabulary is refused), metrics.jsonl (one line per epoch: train l
 validation perplexity, seconds, tokens/s; a final "test" line), results.json,
 log_probs/block_*.npy (test log-probabilities [T_i, M], float32, one row per test token in
 evaluation order: window, time step, sequence), log_prob_targets.npy (the rows' target ids) and
-checkpoints/.
+checkpoints/ (each array by its parameter path, such as ``best_params/model/head/bias/value``:
+:func:`~bottleneck.train.checkpoint.checkpoint_contents` lists them).
 """
 
 from __future__ import annotations

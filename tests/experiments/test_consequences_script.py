@@ -44,6 +44,7 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
     assert len(table) == 2 + len(rows) and table[0].split("|")[1].strip() == "head"
     softmax, mos = rows
     assert softmax["unargmaxable_seconds"] > 0
+    assert all(0 < row["gradient_ratio_median"] <= 1 for row in rows)
     # The Transformer presets give mixtures linear latents.
     assert (softmax["head"], mos["head"], mos["latent"]) == ("softmax", "mos", "linear")
     _, vocabulary, model = load_run(str(runs["softmax"]))

@@ -33,6 +33,8 @@ def test_curves_are_ratios_and_a_rerun_resumes_finished_heads(tmp_path, monkeypa
         assert curve["points"][0]["train_loss"] is None
         assert all(np.isfinite(p["train_loss"]) for p in curve["points"][1:])
     assert (out / "gradient_bottleneck.png").stat().st_size > 0
+    table = (out / "gradient_bottleneck.md").read_text().splitlines()
+    assert len(table) == 4 and table[2].split("|")[1].strip() == "softmax"
 
     def no_training(config, head):
         raise AssertionError(f"{head} was finished and must not be trained again")

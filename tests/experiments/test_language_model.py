@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +65,20 @@ def stopping_step(self, *args, **kwargs):
 
 LanguageModelTrainer.train_step = stopping_step
 language_model.main(sys.argv[2:])
+"""
+
+
+# language_model.py on a disk that fills up after its first checkpoint (tests/checkpoint_fakes.py:
+# TensorStore's error on a full disk, without mounting one).
+FULL_DISK_AFTER_ONE_CHECKPOINT = f"""
+import sys
+import pytest
+sys.path[:0] = [{str(SCRIPT.parent)!r}, {str(ROOT)!r}]
+import language_model
+from tests.checkpoint_fakes import fill_disk
+
+fill_disk(pytest.MonkeyPatch(), spare_checkpoints=1)
+language_model.main(sys.argv[1:])
 """
 
 
@@ -227,6 +242,29 @@ def test_a_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert f"is in use by process {os.getppid()}" in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists()  # refused before touching anything
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(env, tmp_path):
+    process = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_AFTER_ONE_CHECKPOINT, "--preset", "smoke",
+         "--out_dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert process.returncode == 2, process.stderr
+    assert "Traceback" not in process.stderr and "RESOURCE_EXHAUSTED" not in process.stderr
+    (epoch_1,) = _metrics(tmp_path)  # the second epoch's checkpoint failed, so its line too
+    checkpoints = tmp_path / "checkpoints"
+    error = (
+        rf"language_model\.py: error: cannot write checkpoint \d+ \(item '\w+'\) in "
+        rf"{re.escape(str(checkpoints))}: No space left on device; the partial checkpoint was "
+        rf"deleted and checkpoint {epoch_1['step']} is kept"
+    )
+    errors = [line for line in process.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and re.fullmatch(error, errors[0]), errors
+    assert [p.name for p in checkpoints.iterdir()] == [str(epoch_1["step"])]
+    code, stdout, stderr = _run(env, "--preset", "smoke", "--out_dir", str(tmp_path))
+    assert code == 0, stderr
+    assert "at epoch 2, window 0" in stdout
 
 
 def test_a_diverged_run_exits_with_status_1_and_the_loops_message(tmp_path, capsys, monkeypatch):
