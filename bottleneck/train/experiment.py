@@ -46,8 +46,7 @@ from tqdm.auto import tqdm
 from tyro import _errors as tyro_errors  # the parse-error hook: one line instead of a box
 from tyro.constructors import ConstructorRegistry, StructConstructorSpec
 
-# checkpoint.py imports RunFolderError from here; it lives in run_folder.
-from bottleneck.train.run_folder import RunFolderError, UsageError, check_run_folder  # noqa: F401
+from bottleneck.train.run_folder import UsageError, check_run_folder
 
 ConfigT = TypeVar("ConfigT")
 T = TypeVar("T")
