@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import re
 import shlex
 import sys
@@ -233,7 +234,7 @@ def one_line_errors(
 
     The line is ``NAME.py: error: MESSAGE`` on stderr, ``NAME.py`` the file that defines
     ``program`` (a config or its class); the exit status is 2 for a usage error, else the one
-    ``statuses`` gives the exception's class.
+    ``statuses`` gives the exception's class. Output cut short by a closed pipe ends it quietly.
     """
     statuses = {UsageError: 2, **(statuses or {})}
     try:
@@ -244,6 +245,9 @@ def one_line_errors(
         print(f"{_program(program)}: error: {message}", file=sys.stderr)
         status = next(s for cls, s in statuses.items() if isinstance(err, cls))
         raise SystemExit(status) from None
+    except BrokenPipeError:  # stdout's reader has gone (--help | head): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
 
 
 def _program(program: Any) -> str:
@@ -359,8 +363,7 @@ def _presets_help(config_cls: type, presets: Mapping[str, Any]) -> str:
     """The help's preset section: each preset as the flags that turn the defaults into it."""
     unique = {name for name, n in Counter(_leaf_names(config_cls)).items() if n == 1}
     lines = [
-        "--preset NAME: the starting point (default: default), which the flags override. "
-        "What each sets:"
+        "Presets (--preset NAME; default: default), which the flags override, and what each sets:"
     ]
     width = max(map(len, presets))
     for name, preset in presets.items():

@@ -202,7 +202,7 @@ def test_help_lists_the_groups_both_spellings_and_what_each_preset_sets(capsys):
     assert "--lr FLOAT, --optimizer.lr FLOAT" in text and "--head {softmax,sigsoftmax," in text
     assert "--emsize INT, --model.emsize INT" in text and "--model.tie_weights" in text
     assert "model:awd_lstm" in text and "model:transformer" in text
-    presets = text[text.index("--preset NAME") :]
+    presets = text[text.index("Presets (--preset NAME") :]
     mos_ptb = presets[presets.index("  mos-ptb ") : presets.index("  mos-wt2 ")]
     assert "--head mos" in mos_ptb and "--lr 20.0" in mos_ptb and "--seed 28" in mos_ptb
     assert "--dropouti" not in mos_ptb  # 0.4, the default: only what a preset changes is listed

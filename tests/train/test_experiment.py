@@ -226,7 +226,7 @@ def test_help_shows_the_groups_both_spellings_and_what_each_preset_sets(capsys):
     assert "--width INT, --model.width INT" in text and "--model.lr FLOAT" in text
     assert "--optimizer {sgd,adam}, --optimizer.name {sgd,adam}" in text
     assert "model:small" in text and "model:large" in text
-    presets = text[text.index("--preset NAME") :].split("\n\n")[0].splitlines()
+    presets = text[text.index("Presets (--preset NAME") :].split("\n\n")[0].splitlines()
     assert presets[1:] == [
         "  default  (the defaults)",
         "  wide     --optimizer adam --width 64 --out_dir runs/nested_wide",
