@@ -54,7 +54,7 @@ def log_normalize(log_scores: jax.Array, axis: int = -1) -> jax.Array:
     .. math:: \log p_i = s_i - \log \sum_m \exp s_m
 
     The row maximum is subtracted before exponentiating, so scores of any magnitude
-    (|s| up to float max) give finite results.
+    (``|s|`` up to float max) give finite results.
 
     Args:
       log_scores: ``[..., vocab]`` floating array of unnormalised log scores ``log g(z)``.

@@ -7,6 +7,7 @@ Sphinx because the docstrings are reStructuredText (``:func:`` roles, ``.. math:
 and Flax's are; myst-nb renders Markdown pages and the notebook; furo is the theme.
 """
 
+import inspect
 import shutil
 from pathlib import Path
 
@@ -40,9 +41,28 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 autodoc_typehints = "description"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+# Attributes as fields of the class: a NamedTuple's members are documented by autodoc already.
+napoleon_use_ivar = True
 nb_execution_mode = "off"  # the notebook's saved outputs, as tests/test_notebook.py checks them
 myst_enable_extensions = ["dollarmath"]
 myst_heading_anchors = 3
-exclude_patterns = ["_build", "results/*.csv"]
+# results/ holds what the scripts wrote; pages include its tables.
+exclude_patterns = ["_build", "results/*.csv", "results/*.md"]
 html_theme = "furo"
 html_title = "softmax-bottleneck"
+
+
+def _drop_type_docstrings(app, what, name, obj, options, lines):
+    # A module constant (a dict, a tuple, a str) has no docstring of its own, and autodoc would
+    # show its type's ("str(object='') -> str ...") as if it were the constant's.
+    doc = type(obj).__doc__
+    if (
+        what in ("data", "attribute")
+        and isinstance(doc, str)
+        and "\n".join(lines).strip() == inspect.cleandoc(doc)
+    ):
+        lines.clear()
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _drop_type_docstrings)

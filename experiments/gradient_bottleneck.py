@@ -179,14 +179,14 @@ def run(config: Config) -> list[dict[str, Any]]:
     run_dir = open_run(config.out_dir, config, resume=True)
     heads_dir = run_dir.path("heads")
     heads_dir.mkdir(exist_ok=True)
-    recorded = {**to_jsonable(config), "out_dir": None}
+    # A head's curve depends on neither the folder nor the other heads of the run.
+    recorded = {**to_jsonable(config), "out_dir": None, "heads": None}
     curves = []
     for head in config.heads:
         path = heads_dir / f"{head}.json"
-        if path.exists() and json.loads(path.read_text())["config"] == json.loads(
-            json.dumps(recorded)
-        ):
-            curves.append(json.loads(path.read_text())["curve"])
+        saved = json.loads(path.read_text()) if path.exists() else None
+        if saved is not None and {**saved["config"], "heads": None} == recorded:
+            curves.append(saved["curve"])
             continue
         curve = train_head(config, head)
         path.write_text(json.dumps({"config": recorded, "curve": curve}, indent=1) + "\n")

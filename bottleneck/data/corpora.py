@@ -244,7 +244,7 @@ def read_split_tokens(
 
 
 class Vocabulary:
-    """A bijection between token strings and int32 ids ``0 .. len - 1``.
+    """A bijection between token strings and int32 ids, ``0`` to ``len - 1``.
 
     Ids follow the order in which tokens are given (first occurrence for :meth:`from_tokens`), as
     in the standard PyTorch loaders, so ids are comparable with theirs.

@@ -42,6 +42,11 @@ def test_curves_are_ratios_and_a_rerun_resumes_finished_heads(tmp_path, monkeypa
     monkeypatch.setattr(gradient_bottleneck, "train_head", no_training)
     again = gradient_bottleneck.main(["--preset", "smoke", "--out_dir", str(out)])
     assert again == summary
+    # A subset of the heads reuses their curves too.
+    subset = gradient_bottleneck.main(
+        ["--preset", "smoke", "--heads", "mos", "--out_dir", str(out)]
+    )
+    assert subset == summary[1:]
     # Another configuration in the same folder retrains (here: refused by the stub).
     with pytest.raises(AssertionError, match="must not be trained again"):
         gradient_bottleneck.main(["--preset", "smoke", "--steps", "6", "--out_dir", str(out)])
