@@ -82,6 +82,19 @@ def gradient_ratios(head: Any, h: jax.Array, labels: np.ndarray, chunk: int = 64
     ])  # fmt: skip
 
 
+def validation_windows(
+    validation: np.ndarray, tokens: int, bptt: int, flag: str = "--tokens"
+) -> tuple[np.ndarray, np.ndarray]:
+    """The first whole windows ``[count, bptt]`` of ``validation`` within ``tokens`` positions,
+    and their next-token targets (so the last window needs one token after it)."""
+    count = min(tokens, len(validation) - 1) // bptt
+    if count < 1:
+        raise UsageError(f"{flag} {tokens} holds no whole window of bptt {bptt}")
+    inputs = validation[: count * bptt].reshape(count, bptt)
+    targets = validation[1 : count * bptt + 1].reshape(count, bptt)
+    return inputs, targets
+
+
 def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
     """The statistics of the module docstring for one run."""
     config, vocabulary, model = load_run(run_dir)
@@ -94,15 +107,9 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
     unargmaxable = bn.unargmaxable_tokens(decoder, bias)
     seconds = time.perf_counter() - start
     counts = np.bincount(np.asarray(corpus.train), minlength=vocab_size)
-    validation = np.asarray(corpus.validation)
-    length = config.data.bptt
-    count = min(tokens, len(validation)) // length
-    if count < 1:
-        raise UsageError(f"--tokens {tokens} holds no whole window of bptt {length}")
-    windows = validation[: count * length].reshape(count, length)
+    windows, targets = validation_windows(np.asarray(corpus.validation), tokens, config.data.bptt)
     h = head_inputs(model, windows)
     log_probs = np.asarray(head(h), np.float32).reshape(-1, vocab_size)
-    targets = validation[1 : count * length + 1].reshape(count, length)
     ratios = gradient_ratios(head, h.reshape(-1, h.shape[-1]), targets.reshape(-1))
     argmaxes = np.unique(log_probs.argmax(axis=-1))
     return {
@@ -129,9 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rows = [measure_run(run_dir, config.tokens) for run_dir in config.run_dirs]
     out = Path(config.out or Path(config.run_dirs[0]) / "consequences.json")
     out.write_text(json.dumps(rows, indent=1) + "\n")
-    with out.with_suffix(".md").open("w") as table:
-        print_table(rows, TABLE_COLUMNS, floatfmt=".3g", file=table)
-    print_table(rows, TABLE_COLUMNS, floatfmt=".3g")
+    out.with_suffix(".md").write_text(print_table(rows, TABLE_COLUMNS, floatfmt=".3g") + "\n")
     print(f"wrote {out} and {out.with_suffix('.md').name}")
     return rows
 

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -43,6 +42,8 @@ from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.lm import pad_window, padded_length
 from bottleneck.train.run_folder import to_jsonable
 from experiments import language_model
+from experiments.consequences import gradient_ratios, validation_windows
+from experiments.logit_spread import head_inputs
 
 HEADS = ("softmax", "sigsoftmax", "plif", "mos", "mixtape")
 
@@ -92,38 +93,25 @@ def lm_config(config: Config, head: str) -> language_model.Config:
     )
 
 
-def measurement_windows(validation: np.ndarray, positions: int, bptt: int) -> np.ndarray:
-    count = min(positions, len(validation) - 1) // bptt
-    if count < 1:
-        raise UsageError(f"--positions {positions} holds no whole window of bptt {bptt}")
-    inputs = validation[: count * bptt].reshape(count, bptt)
-    targets = validation[1 : count * bptt + 1].reshape(count, bptt)
-    return np.stack([inputs, targets])
-
-
-@nnx.jit
-def _ratios(model: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-    trunk = model.model  # the Transformer behind the run loop's interface
-    h = trunk.head_input(trunk.features(inputs))
-    return bn.head_gradient_ratio(trunk.head, h, targets)
-
-
 def train_head(config: Config, head: str) -> dict[str, Any]:
     """One head's curve: step, training loss since the last point, ratio quartiles."""
     cell = lm_config(config, head)
     corpus = cell.data.load(config.out_dir)
     trainer = language_model.build_trainer(cell, corpus, None)
-    inputs, targets = measurement_windows(
-        np.asarray(corpus.validation), config.positions, cell.data.bptt
+    inputs, targets = validation_windows(
+        np.asarray(corpus.validation), config.positions, cell.data.bptt, "--positions"
     )
     batched = batchify(np.asarray(corpus.train), cell.data.batch_size)
     points, losses, step, epoch = [], [], 0, 0
     start = time.perf_counter()
 
     def measure() -> None:
-        ratios = np.asarray(_ratios(trainer.model, jnp.asarray(inputs), jnp.asarray(targets)))
+        trunk = trainer.model.model  # the model behind the run loop's interface
+        h = head_inputs(trunk, inputs)
+        ratios = gradient_ratios(trunk.head, h.reshape(-1, h.shape[-1]), targets.reshape(-1))
         q1, median, q3 = np.quantile(ratios, [0.25, 0.5, 0.75])
-        loss = float(np.mean(losses)) if losses else None
+        # The step losses stay on the device until here: no host sync per training step.
+        loss = float(np.mean(jax.device_get(losses))) if losses else None
         points.append(dict(step=step, train_loss=loss, median=median, q1=q1, q3=q3,
                            mean=float(ratios.mean())))  # fmt: skip
         losses.clear()
@@ -135,7 +123,7 @@ def train_head(config: Config, head: str) -> dict[str, Any]:
         for window in cell.data.train_windows(batched, epoch, cell.seed):
             padded = pad_window(window, padded_length(window.seq_len, cell.data.seq_len_bucket))
             carry, metrics = trainer.train_step(carry, padded, window.lr_scale, averaging=False)
-            losses.append(float(metrics.nll))
+            losses.append(metrics.nll)
             step += 1
             bar.update()
             if step % config.every == 0 or step == config.steps:
@@ -199,9 +187,7 @@ def run(config: Config) -> list[dict[str, Any]]:
     ]  # fmt: skip
     run_dir.write_json("gradient_bottleneck.json", {"summary": summary, "curves": curves})
     plot(curves, run_dir.path("gradient_bottleneck.png"), config.d)
-    with run_dir.path("gradient_bottleneck.md").open("w") as table:
-        print_table(summary, floatfmt=".4g", file=table)
-    print_table(summary, floatfmt=".4g")
+    run_dir.path("gradient_bottleneck.md").write_text(print_table(summary, floatfmt=".4g") + "\n")
     print(f"wrote {run_dir.root}/gradient_bottleneck.json, .md and .png")
     return summary
 
