@@ -34,10 +34,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-import bottleneck as bn
 from bottleneck.data import batchify
 from bottleneck.nn.presets import HeadName
-from bottleneck.train import UsageError, open_run, parse_config, print_table, progress
+from bottleneck.train import open_run, parse_config, print_table, progress
 from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.lm import pad_window, padded_length
 from bottleneck.train.run_folder import to_jsonable
