@@ -186,7 +186,11 @@ def run(config: Config) -> list[dict[str, Any]]:
     ]  # fmt: skip
     run_dir.write_json("gradient_bottleneck.json", {"summary": summary, "curves": curves})
     plot(curves, run_dir.path("gradient_bottleneck.png"), config.d)
-    run_dir.path("gradient_bottleneck.md").write_text(print_table(summary, floatfmt=".4g") + "\n")
+    run_dir.write_page(
+        "gradient_bottleneck.md",
+        f"Share of the loss gradient passed back to the trunk, d = {config.d}",
+        print_table(summary, floatfmt=".4g"),
+    )
     print(f"wrote {run_dir.root}/gradient_bottleneck.json, .md and .png")
     return summary
 

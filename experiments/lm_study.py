@@ -84,7 +84,7 @@ from bottleneck.train import (
     print_table,
 )
 from bottleneck.train.experiment import Checked, Count, one_line_errors
-from bottleneck.train.run_folder import check_resumable, to_jsonable
+from bottleneck.train.run_folder import check_resumable, code_commit, to_jsonable
 from bottleneck.train.run_loop import TrainingDiverged
 from experiments import language_model, rank
 from experiments.language_model import AWDLSTMConfig
@@ -322,23 +322,6 @@ def config_sha(cell: language_model.Config) -> str:
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def code_commit() -> str:
-    """The commit of the code running the study, ``-dirty`` if its library or scripts differ."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "bottleneck", "experiments"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha[:12] + ("-dirty" if dirty else "")
-
-
 def cell_row(
     config: Config, cell: language_model.Config, results: dict[str, Any], curve: list
 ) -> dict:
@@ -446,12 +429,18 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
     return table
 
 
+def title(config: Config) -> str:
+    trunk = config.trunk
+    return (
+        f"LM study: {trunk.model.family} on {trunk.data.corpus} "
+        f"({trunk.data.vocab_size or 'all'} words), heads x d x seeds {list(config.seeds)}"
+    )
+
+
 def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Config) -> str:
+    """The results page's body: the table of heads x d, then what each cell's row says."""
     trunk = config.trunk
     lines = [
-        f"# LM study: {trunk.model.family} on {trunk.data.corpus} "
-        f"({trunk.data.vocab_size or 'all'} words), heads x d x seeds {list(config.seeds)}",
-        "",
         "Test perplexity of the best-validation model, mean ± std over seeds; gain = softmax's "
         "mean test perplexity at the same d minus the head's (positive: better than softmax). "
         f"Budget {trunk.training.epochs} epochs per cell, early stopping with patience "
@@ -626,7 +615,7 @@ def run_study(config: Config) -> dict[str, Any]:
         text += "".join(
             f"| {r['head']} | {r['numerical_rank']} | {r['effective_rank']} |\n" for r in ranks
         )
-    run.path("study.md").write_text(text)
+    run.write_page("study.md", title(config), text)
     plot_vs_d(table, config, run.path("test_ppl_vs_d.png"))
     plot_curves(curves, config, run.path("learning_curves.png"))
     print_table(

@@ -4,8 +4,8 @@ The trainers (:class:`Trainer`, :class:`LanguageModelTrainer`) and their optimiz
 (:func:`make_optimizer`); the language-model run loop (:func:`train_and_evaluate`) and the parts
 of its config (:class:`DataConfig`, :class:`HeadConfig`, :class:`OptimizerConfig`,
 :class:`TrainingConfig`, :class:`EvaluationConfig`); the scripts' command line
-(:func:`parse_config`, :class:`Checked` configs), run folders (:func:`open_run`, :class:`RunDir`)
-and tables. The rest stays in the submodules.
+(:func:`parse_config`, :class:`Checked` configs), run folders (:func:`open_run`, :class:`RunDir`),
+tables and results pages (:func:`results_page`). The rest stays in the submodules.
 """
 
 from bottleneck.train.experiment import Checked, parse_config, print_table, progress
@@ -17,7 +17,14 @@ from bottleneck.train.lm_config import (
     OptimizerConfig,
     TrainingConfig,
 )
-from bottleneck.train.run_folder import RunDir, RunFolderError, UsageError, open_run
+from bottleneck.train.run_folder import (
+    RunDir,
+    RunFolderError,
+    UsageError,
+    code_commit,
+    open_run,
+    results_page,
+)
 from bottleneck.train.run_loop import train_and_evaluate
 from bottleneck.train.steps import Trainer, make_optimizer
 
@@ -33,10 +40,12 @@ __all__ = [
     "Trainer",
     "TrainingConfig",
     "UsageError",
+    "code_commit",
     "make_optimizer",
     "open_run",
     "parse_config",
     "print_table",
     "progress",
+    "results_page",
     "train_and_evaluate",
 ]

@@ -2,7 +2,9 @@
 
 :func:`open_run` checks that the folder may be used (:func:`check_run_folder`: not another
 experiment's, not a file), records the config and returns a :class:`RunDir` that writes JSON,
-CSV and metric lines into it; :func:`check_resumable` compares a config with the one recorded.
+CSV, metric lines and Markdown results pages into it; :func:`check_resumable` compares a config
+with the one recorded. A page (:func:`results_page`) opens with the command, the code's commit
+(:func:`code_commit`) and the machine (:func:`machine_description`) that made it.
 A config is recorded as JSON by :func:`to_jsonable` and read back by :func:`config_from_jsonable`.
 """
 
@@ -13,7 +15,10 @@ import dataclasses
 import datetime
 import inspect
 import json
+import os
+import platform
 import shlex
+import subprocess
 import sys
 import typing
 from collections.abc import Collection, Mapping, Sequence
@@ -135,6 +140,12 @@ class RunDir:
         path.write_text(json.dumps(to_jsonable(obj), indent=2) + "\n")
         return path
 
+    def write_page(self, name: str, title: str, body: str) -> Path:
+        """Write a Markdown results page (:func:`results_page`) to ``root / name``."""
+        path = self.path(name)
+        path.write_text(results_page(title, body))
+        return path
+
     def write_csv(self, name: str, rows: Sequence[Mapping[str, Any]]) -> Path:
         """Write ``rows`` as CSV; the columns are the union of the rows' keys, in first-seen order."""
         columns = list(dict.fromkeys(key for row in rows for key in row))
@@ -145,6 +156,64 @@ class RunDir:
             for row in rows:
                 writer.writerow(to_jsonable(dict(row)))
         return path
+
+
+def code_commit() -> str:
+    """The commit of the checkout this library runs from, ``-dirty`` if its code differs from it.
+
+    Only ``bottleneck/``, ``experiments/`` and ``benchmarks/`` count (a results file written
+    into the checkout does not make it dirty); ``"unknown"`` outside a git checkout.
+    """
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--",
+             "bottleneck", "experiments", "benchmarks"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha[:12] + ("-dirty" if dirty else "")
+
+
+def machine_description() -> str:
+    """The machine in a few words: CPU model, cores, OS, JAX version and backend."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {platform.system()}; "
+        f"JAX {jax.__version__} on {jax.default_backend()}"
+    )
+
+
+def results_page(title: str, body: str, *, command: Sequence[str] | None = None) -> str:
+    """A Markdown results page: ``title``, then who wrote it, then ``body``.
+
+    The header names the command (default: this process's, as ``python ARGV``), the code's
+    commit (:func:`code_commit`), the machine (:func:`machine_description`) and the UTC date, so
+    that a number on the page can be traced to the code and hardware that produced it.
+
+    Example:
+      >>> page = results_page("Ranks", "| d | rank |", command=["experiments/rank.py"])
+      >>> page.splitlines()[0], page.splitlines()[2].startswith("Written by `python experiments/rank.py`")
+      ('# Ranks', True)
+    """
+    argv = sys.argv if command is None else command
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    header = (
+        f"Written by `python {shlex.join(argv)}` at commit `{code_commit()}` on "
+        f"{machine_description()}, {date}."
+    )
+    return f"# {title}\n\n{header}\n\n{body.strip()}\n"
 
 
 def experiment_name(config: Any) -> str:

@@ -30,6 +30,7 @@ def test_smoke_preset_writes_results_table_and_plot(smoke_runs):
     (out, _), (result, _) = smoke_runs[0], smoke_runs[1]
     for name in (
         "results.json",
+        "results.md",
         "results.csv",
         "metrics.jsonl",
         "config.json",
@@ -47,6 +48,9 @@ def test_smoke_preset_writes_results_table_and_plot(smoke_runs):
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["steps"] == 40 and config["seed"] is None
     assert "| alpha |" in result.stdout and "mode_matching" in result.stdout
+    page = (out / "results.md").read_text()
+    assert page.startswith("# Synthetic Dirichlet study") and "at commit `" in page
+    assert "| alpha |" in page
 
 
 def test_same_seed_same_results(smoke_runs):

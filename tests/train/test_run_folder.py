@@ -2,6 +2,8 @@
 
 import csv
 import json
+import pathlib
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 from test_experiment import Config, Large, Nested, Optimizer, Small
 
-from bottleneck.train import RunDir, RunFolderError, open_run
+from bottleneck.train import RunDir, RunFolderError, code_commit, open_run
 from bottleneck.train.run_folder import check_resumable, config_from_jsonable, to_jsonable
 
 
@@ -123,3 +125,29 @@ def test_to_jsonable_refuses_what_json_cannot_hold():
     assert to_jsonable({"a": (1, 2.5), "b": None}) == {"a": [1, 2.5], "b": None}
     with pytest.raises(TypeError, match="cannot write object as JSON"):
         to_jsonable(object())
+
+
+def test_a_results_page_names_its_command_commit_and_machine(tmp_path):
+    page = RunDir(tmp_path).write_page("page.md", "Ranks", "| d | rank |\n|--:|--:|\n| 4 | 6 |\n")
+    lines = page.read_text().splitlines()
+    assert lines[0] == "# Ranks"
+    header = lines[2]
+    assert header.startswith("Written by `python ")
+    assert f"at commit `{code_commit()}` on " in header
+    assert f"JAX {jax.__version__} on {jax.default_backend()}" in header
+    assert lines[4:] == ["| d | rank |", "|--:|--:|", "| 4 | 6 |"]
+
+
+def test_code_commit_is_the_checkouts_head_or_unknown():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        assert code_commit() == "unknown"
+        return
+    assert code_commit().removesuffix("-dirty") == head[:12]
