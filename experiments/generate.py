@@ -9,7 +9,8 @@ The model is rebuilt as the run built it: its config.json goes through language_
 vocabulary is the run's vocab.txt, and the run's best parameters (``best_params`` of its latest
 checkpoint) are loaded into it. Sampling is :func:`bottleneck.generate`: incremental decoding
 (the AWD-LSTM's recurrent state, the Transformer's key-value cache) with temperature, top-k
-(``--top_k 1``: greedy) and top-p. A Transformer's prompt and samples together may not exceed
+(``--top_k 1``: greedy) and top-p, then optionally basis-aware truncation (``--bat_tau TAU``,
+a softmax head's run only). A Transformer's prompt and samples together may not exceed
 its ``max_len``.
 
 The prompt is split on white space; every word must be in the run's vocabulary (PTB text is
@@ -57,6 +58,8 @@ class Config(Checked):
     temperature: Positive = 1.0  # greedy: --top_k 1
     top_k: Count | None = None  # keep the k most likely tokens (1: greedy); None: all
     top_p: Annotated[float, Interval("(0, 1]")] | None = None  # nucleus sampling; None: off
+    # basis-aware truncation at this threshold (Finlayson et al. 2024); softmax heads only
+    bat_tau: Annotated[float, Interval("(0, 1)")] | None = None
     prompt: str = ""  # words to continue; empty: start a sentence
     num_samples: Count = 1  # samples of the prompt
     seed: int = 0
@@ -171,8 +174,9 @@ def run(config: Config) -> list[str]:
             temperature=config.temperature,
             top_k=config.top_k,
             top_p=config.top_p,
+            bat_tau=config.bat_tau,
         )
-    except ValueError as err:  # e.g. top_k above the vocabulary
+    except ValueError as err:  # e.g. top_k above the vocabulary, BAT on a mixture head
         raise UsageError(str(err)) from None
     shown = words if config.prompt.split() else []
     texts = [detokenize(shown + vocabulary.decode(row)) for row in np.asarray(tokens)]

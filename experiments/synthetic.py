@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run.write_csv("results.csv", rows)
     summary = summarize(rows)
     run.write_json("results.json", {"runs": rows, "summary": summary})
-    table = print_table(summary, TABLE_COLUMNS, floatfmt=".3f")
+    table = print_table(summary, TABLE_COLUMNS, floatfmt=".4g")
     run.write_page("results.md", "Synthetic Dirichlet study (Ganea et al. 2019)", PAGE_TEXT + table)
     paths = plot(summary, run, config.heads)
     print(

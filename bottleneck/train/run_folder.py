@@ -141,9 +141,17 @@ class RunDir:
         return path
 
     def write_page(self, name: str, title: str, body: str) -> Path:
-        """Write a Markdown results page (:func:`results_page`) to ``root / name``."""
+        """Write a Markdown results page (:func:`results_page`) to ``root / name``.
+
+        Its header names the command and commit that ``config.json`` recorded when the run
+        started (:func:`open_run`), not the checkout's state when the page is written.
+        """
+        record_path = self.root / "config.json"
+        record = json.loads(record_path.read_text()) if record_path.is_file() else {}
         path = self.path(name)
-        path.write_text(results_page(title, body))
+        path.write_text(
+            results_page(title, body, command=record.get("argv"), commit=record.get("commit"))
+        )
         return path
 
     def write_csv(self, name: str, rows: Sequence[Mapping[str, Any]]) -> Path:
@@ -195,12 +203,15 @@ def machine_description() -> str:
     )
 
 
-def results_page(title: str, body: str, *, command: Sequence[str] | None = None) -> str:
+def results_page(
+    title: str, body: str, *, command: Sequence[str] | None = None, commit: str | None = None
+) -> str:
     """A Markdown results page: ``title``, then who wrote it, then ``body``.
 
     The header names the command (default: this process's, as ``python ARGV``), the code's
-    commit (:func:`code_commit`), the machine (:func:`machine_description`) and the UTC date, so
-    that a number on the page can be traced to the code and hardware that produced it.
+    commit (default: :func:`code_commit` now), the machine (:func:`machine_description`) and
+    the UTC date, so that a number on the page can be traced to the code and hardware that
+    produced it.
 
     Example:
       >>> page = results_page("Ranks", "| d | rank |", command=["experiments/rank.py"])
@@ -210,7 +221,7 @@ def results_page(title: str, body: str, *, command: Sequence[str] | None = None)
     argv = sys.argv if command is None else command
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     header = (
-        f"Written by `python {shlex.join(argv)}` at commit `{code_commit()}` on "
+        f"Written by `python {shlex.join(argv)}` at commit `{commit or code_commit()}` on "
         f"{machine_description()}, {date}."
     )
     return f"# {title}\n\n{header}\n\n{body.strip()}\n"
@@ -297,8 +308,8 @@ def open_run(out_dir: str | Path, config: Any, *, resume: bool = False) -> RunDi
 
     ``config.json`` holds the experiment's name (:func:`experiment_name`), ``config``
     (:func:`to_jsonable`), its ``seed`` field (if any) at the top level, the JAX version and
-    backend, a UTC timestamp and the command line, so that a result can be traced back to how it
-    was made. A folder of another experiment is refused (:func:`check_run_folder`).
+    backend, a UTC timestamp, the command line (``command``, and ``argv`` as a list) and the
+    code's commit (:func:`code_commit`), so that a result can be traced back to how it was made. A folder of another experiment is refused (:func:`check_run_folder`).
 
     Args:
       out_dir: the output folder (created with its parents).
@@ -330,6 +341,8 @@ def open_run(out_dir: str | Path, config: Any, *, resume: bool = False) -> RunDi
             "backend": jax.default_backend(),
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join([sys.executable, *sys.argv]),
+            "argv": sys.argv,
+            "commit": code_commit(),
         },
     )
     return run

@@ -87,7 +87,8 @@ def test_open_run_writes_config(tmp_path):
     assert record["config"]["experts"] == [2, 4]
     assert record["seed"] == 7
     assert record["jax_version"] == jax.__version__
-    assert record["timestamp"] and record["command"]
+    assert record["timestamp"] and record["command"] and record["argv"]
+    assert record["commit"] == code_commit()
 
 
 def test_log_metrics_appends_json_lines(tmp_path):
@@ -136,6 +137,16 @@ def test_a_results_page_names_its_command_commit_and_machine(tmp_path):
     assert f"at commit `{code_commit()}` on " in header
     assert f"JAX {jax.__version__} on {jax.default_backend()}" in header
     assert lines[4:] == ["| d | rank |", "|--:|--:|", "| 4 | 6 |"]
+
+
+def test_a_runs_page_names_the_command_and_commit_recorded_when_it_started(tmp_path):
+    run = open_run(tmp_path / "run", Config(width=3))
+    record = json.loads((run.root / "config.json").read_text())
+    record.update(commit="0123456789ab", argv=["experiments/example.py", "--width", "3"])
+    (run.root / "config.json").write_text(json.dumps(record))  # as if the checkout moved on
+    header = run.write_page("page.md", "Widths", "body").read_text().splitlines()[2]
+    assert header.startswith("Written by `python experiments/example.py --width 3` at commit ")
+    assert "`0123456789ab`" in header
 
 
 def test_code_commit_is_the_checkouts_head_or_unknown():
