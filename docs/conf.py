@@ -33,11 +33,8 @@ def _with_header(page: Path) -> str:
         ["git", "-C", str(ROOT), "log", "-1", "--format=%h", "--", str(page)],
         capture_output=True, text=True, check=False,
     ).stdout.strip() or "unknown"  # fmt: skip
-    where = ", ".join(
-        str(machine[k])
-        for k in ("processor", "cpu_count", "platform", "jax_version")
-        if k in machine
-    )
+    labels = {"processor": "{}", "cpu_count": "{} cores", "platform": "{}", "jax_version": "JAX {}"}
+    where = ", ".join(form.format(machine[k]) for k, form in labels.items() if k in machine)
     header = (
         f"Numbers committed in `{landed}` (written before the scripts recorded their commit); "
         f"machine: {where or 'not recorded'}."
