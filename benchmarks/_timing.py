@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 
+from bottleneck.train import code_commit, results_page
+
 
 def time_interleaved(
     fns: Mapping[str, Callable[[], Any]],
@@ -97,8 +99,17 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
 
 
 def write_results(path: str | Path, payload: Mapping[str, Any], markdown: str) -> None:
-    """Writes ``payload`` as indented JSON to ``path`` and ``markdown`` beside it (``.md``)."""
+    """Writes ``payload`` as indented JSON to ``path`` and ``markdown`` beside it (``.md``).
+
+    The JSON records the code's commit; the Markdown becomes a results page
+    (:func:`bottleneck.train.results_page`: command, commit and machine under the title), its
+    title the first line of ``markdown`` when that is a ``# `` heading, else the file's name.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    path.with_suffix(".md").write_text(markdown)
+    path.write_text(json.dumps({**payload, "commit": code_commit()}, indent=2) + "\n")
+    first, _, rest = markdown.partition("\n")
+    title, body = (
+        (first[2:], rest) if first.startswith("# ") else (f"Benchmark {path.stem}", markdown)
+    )
+    path.with_suffix(".md").write_text(results_page(title, body))

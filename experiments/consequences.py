@@ -1,6 +1,6 @@
 """The bottleneck's consequences beyond rank, measured on trained language_model.py runs.
 
-    python experiments/consequences.py --run_dirs RUN1,RUN2 [--tokens 2048] [--out FILE]
+    python experiments/consequences.py --run_dirs RUN1 RUN2 [--tokens 2048] [--out FILE]
 
 For each run (its config, vocabulary and best parameters, as ``generate.py`` loads them):
 
@@ -42,9 +42,12 @@ from flax import nnx
 
 import bottleneck as bn
 from bottleneck.train import UsageError, parse_config, print_table
+from bottleneck.train.experiment import Checked, Count, one_line_errors
+from bottleneck.train.run_folder import results_page
 from experiments.generate import load_run
 from experiments.logit_spread import head_inputs
 
+PAGE_TITLE = "Beyond rank: unargmaxable tokens, hidden size and gradient share of trained runs"
 TABLE_COLUMNS = (
     "head", "d", "vocab_size", "unargmaxable", "unargmaxable_train_share",
     "unargmaxable_seen_as_argmax", "distinct_argmaxes", "hidden_size_estimate",
@@ -54,24 +57,17 @@ TABLE_COLUMNS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Checked):
     """Unargmaxable tokens and the hidden-size estimate of trained runs."""
 
-    run_dirs: tuple[str, ...] = dataclasses.field(
-        default=(), metadata={"help": "language_model.py run folders, comma-separated (required)"}
-    )
-    tokens: int = dataclasses.field(
-        default=2048, metadata={"help": "validation positions (whole windows) for the estimates"}
-    )
-    out: str | None = dataclasses.field(
-        default=None, metadata={"help": "JSON file; none: RUN/consequences.json of the first run"}
-    )
+    run_dirs: tuple[str, ...]  # language_model.py run folders
+    tokens: Count = 2048  # validation positions (whole windows) for the estimates
+    out: str | None = None  # JSON file; None: RUN/consequences.json of the first run
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.run_dirs:
-            raise ValueError("--run_dirs is required")
-        if self.tokens < 1:
-            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+            raise ValueError("--run_dirs must name at least one run folder")
 
 
 @nnx.jit
@@ -137,15 +133,13 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    config = parse_config(Config, {}, argv)
-    try:
+    config = parse_config(Config, argv=argv)
+    with one_line_errors(config):
         rows = [measure_run(run_dir, config.tokens) for run_dir in config.run_dirs]
-    except UsageError as err:
-        print(f"consequences.py: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
     out = Path(config.out or Path(config.run_dirs[0]) / "consequences.json")
     out.write_text(json.dumps(rows, indent=1) + "\n")
-    out.with_suffix(".md").write_text(print_table(rows, TABLE_COLUMNS, floatfmt=".3g") + "\n")
+    table = print_table(rows, TABLE_COLUMNS, floatfmt=".3g")
+    out.with_suffix(".md").write_text(results_page(PAGE_TITLE, table))
     print(f"wrote {out} and {out.with_suffix('.md').name}")
     return rows
 

@@ -9,7 +9,8 @@ The model is rebuilt as the run built it: its config.json goes through language_
 vocabulary is the run's vocab.txt, and the run's best parameters (``best_params`` of its latest
 checkpoint) are loaded into it. Sampling is :func:`bottleneck.generate`: incremental decoding
 (the AWD-LSTM's recurrent state, the Transformer's key-value cache) with temperature, top-k
-(``--top_k 1``: greedy) and top-p. A Transformer's prompt and samples together may not exceed
+(``--top_k 1``: greedy) and top-p, then optionally basis-aware truncation (``--bat_tau TAU``,
+a softmax head's run only). A Transformer's prompt and samples together may not exceed
 its ``max_len``.
 
 The prompt is split on white space; every word must be in the run's vocabulary (PTB text is
@@ -32,6 +33,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import jax
 import numpy as np
@@ -39,50 +41,28 @@ from flax import nnx
 
 import bottleneck as bn
 from bottleneck.data import EOS, Vocabulary
-from bottleneck.train import (
-    UsageError,
-    config_from_jsonable,
-    parse_config,
-    to_jsonable,
-)
+from bottleneck.train import UsageError, parse_config
 from bottleneck.train.checkpoint import CheckpointStore
+from bottleneck.train.experiment import Checked, Count, Interval, Positive, one_line_errors
+from bottleneck.train.run_folder import config_from_jsonable, to_jsonable
 from bottleneck.train.run_loop import VOCABULARY_FILE
 from experiments import language_model
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Checked):
     """Sample text from a trained language_model.py run."""
 
-    run_dir: str = dataclasses.field(
-        default="", metadata={"help": "the --out_dir of a language_model.py run (required)"}
-    )
-    num_tokens: int = dataclasses.field(default=50, metadata={"help": "tokens to sample"})
-    temperature: float = dataclasses.field(default=1.0, metadata={"help": "> 0"})
-    top_k: int | None = dataclasses.field(
-        default=None, metadata={"help": "keep the k most likely tokens (1: greedy); none: all"}
-    )
-    top_p: float | None = dataclasses.field(
-        default=None, metadata={"help": "nucleus sampling, in (0, 1]; none: off"}
-    )
-    prompt: str = dataclasses.field(
-        default="", metadata={"help": "words to continue; empty: start a sentence"}
-    )
-    num_samples: int = dataclasses.field(default=1, metadata={"help": "samples of the prompt"})
+    run_dir: str  # the --out_dir of a language_model.py run
+    num_tokens: Count = 50  # tokens to sample
+    temperature: Positive = 1.0  # greedy: --top_k 1
+    top_k: Count | None = None  # keep the k most likely tokens (1: greedy); None: all
+    top_p: Annotated[float, Interval("(0, 1]")] | None = None  # nucleus sampling; None: off
+    # basis-aware truncation at this threshold (Finlayson et al. 2024); softmax heads only
+    bat_tau: Annotated[float, Interval("(0, 1)")] | None = None
+    prompt: str = ""  # words to continue; empty: start a sentence
+    num_samples: Count = 1  # samples of the prompt
     seed: int = 0
-
-    def validate(self) -> None:
-        if not self.run_dir:
-            raise ValueError("--run_dir is required")
-        for name in ("num_tokens", "num_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature} (greedy: --top_k 1)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or none, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or none, got {self.top_p}")
 
 
 def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nnx.Module]:
@@ -104,12 +84,12 @@ def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nn
         raise UsageError(f"{config_path} records no config")
     try:
         config = config_from_jsonable(language_model.Config, saved["config"])
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         raise UsageError(
-            f"{config_path} has settings this language_model.py does not know ({err}): the run "
-            "was made by another version of it"
+            f"{config_path} does not load in this language_model.py ({err}): the run was made by "
+            "another version of it"
         ) from None
-    # The run's corpus is prepared under its own folder (tfds_dir none: OUT_DIR/tfds), wherever
+    # The run's corpus is prepared under its own folder (tfds_dir None: OUT_DIR/tfds), wherever
     # the folder is now.
     config = dataclasses.replace(config, out_dir=str(root))
     checkpoints = root / "checkpoints"
@@ -194,8 +174,9 @@ def run(config: Config) -> list[str]:
             temperature=config.temperature,
             top_k=config.top_k,
             top_p=config.top_p,
+            bat_tau=config.bat_tau,
         )
-    except ValueError as err:  # e.g. top_k above the vocabulary
+    except ValueError as err:  # e.g. top_k above the vocabulary, BAT on a mixture head
         raise UsageError(str(err)) from None
     shown = words if config.prompt.split() else []
     texts = [detokenize(shown + vocabulary.decode(row)) for row in np.asarray(tokens)]
@@ -207,12 +188,9 @@ def run(config: Config) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    config = parse_config(Config, {}, argv)
-    try:
+    config = parse_config(Config, argv=argv)
+    with one_line_errors(config):
         return run(config)
-    except UsageError as err:
-        print(f"generate.py: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

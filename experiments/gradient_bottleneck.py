@@ -26,6 +26,7 @@ import dataclasses
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +34,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-import bottleneck as bn
 from bottleneck.data import batchify
-from bottleneck.train import (
-    UsageError,
-    open_run,
-    parse_config,
-    print_table,
-    progress,
-    replace_fields,
-)
+from bottleneck.nn.presets import HeadName
+from bottleneck.train import open_run, parse_config, print_table, progress
+from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.lm import pad_window, padded_length
+from bottleneck.train.run_folder import to_jsonable
 from experiments import language_model
 from experiments.consequences import gradient_ratios, validation_windows
 from experiments.logit_spread import head_inputs
@@ -52,75 +48,48 @@ HEADS = ("softmax", "sigsoftmax", "plif", "mos", "mixtape")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Checked):
     """The share of the loss gradient each head passes back, along training."""
 
-    data_dir: str | None = dataclasses.field(
-        default=None, metadata={"help": "PTB folder (ptb.train.txt, ...); none: download"}
-    )
-    corpus: str = dataclasses.field(default="ptb", metadata={"help": "ptb or wikitext2"})
-    heads: tuple[str, ...] = dataclasses.field(
-        default=HEADS, metadata={"help": "heads, comma-separated"}
-    )
-    d: int = dataclasses.field(default=16, metadata={"help": "the head's input width"})
-    steps: int = dataclasses.field(default=500, metadata={"help": "training steps per head"})
-    every: int = dataclasses.field(default=25, metadata={"help": "steps between measurements"})
-    positions: int = dataclasses.field(
-        default=256, metadata={"help": "validation positions measured (whole windows)"}
-    )
-    trunk_preset: str = dataclasses.field(
-        default="transformer-study", metadata={"help": "language_model.py preset of the trunk"}
-    )
-    train_tokens: int | None = dataclasses.field(
-        default=None, metadata={"help": "first training tokens only (none: all)"}
-    )
-    seed: int = 1
-    out_dir: str = dataclasses.field(
-        default="runs/gradient_bottleneck", metadata={"help": "output folder"}
-    )
+    #: the language model each head trains in (experiments/language_model.py's config; the head
+    #: and its width d are set per head, the corpus is prepared under --out_dir)
+    trunk: language_model.Config = replace(language_model.PRESETS["transformer-study"], seed=1)
+    heads: tuple[HeadName, ...] = HEADS
+    d: Count = 16  # the head's input width
+    steps: Count = 500  # training steps per head
+    every: Count = 25  # steps between measurements
+    positions: Count = 256  # validation positions measured (whole windows)
+    out_dir: str = "runs/gradient_bottleneck"  # output folder
 
-    def validate(self) -> None:
-        unknown = sorted(set(self.heads) - set(bn.nn.HEAD_NAMES))
-        if not self.heads or unknown:
-            raise ValueError(f"heads must name known heads {bn.nn.HEAD_NAMES}, got {unknown}")
-        for name in ("d", "steps", "every", "positions"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.trunk_preset not in language_model.PRESETS:
-            raise ValueError(f"unknown trunk_preset {self.trunk_preset!r}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.heads:
+            raise ValueError("heads must name at least one head")
 
 
 # A CLI check in seconds: the fixture corpus, a tiny trunk, two heads.
-PRESETS: dict[str, dict[str, Any]] = {
-    "smoke": {
-        "data_dir": str(language_model.FIXTURES_DIR),
-        "heads": ("softmax", "mos"),
-        "d": 4,
-        "steps": 4,
-        "every": 2,
-        "positions": 8,
-        "trunk_preset": "transformer-smoke",
-    },
+PRESETS = {
+    "smoke": Config(
+        trunk=replace(language_model.PRESETS["transformer-smoke"], seed=1),
+        heads=("softmax", "mos"),
+        d=4,
+        steps=4,
+        every=2,
+        positions=8,
+    ),
 }
 
 
 def lm_config(config: Config, head: str) -> language_model.Config:
-    """The trunk preset with this head at width ``d`` (not a run folder of its own)."""
-    changes = {
-        **language_model.PRESETS[config.trunk_preset],
-        "data.corpus": config.corpus,
-        "data.data_dir": config.data_dir,
-        "data.tfds_dir": str(Path(config.out_dir) / "tfds"),
-        "data.train_tokens": config.train_tokens,
-        "head.name": head,
-        "seed": config.seed,
-        "out_dir": config.out_dir,
-    }
-    if changes.get("model") == "transformer":
-        changes["transformer.head_features"] = config.d
-    else:
-        changes["awd_lstm.emsize"] = config.d
-    return replace_fields(language_model.Config(), changes)
+    """The trunk with this head at width ``d`` (not a run folder of its own)."""
+    trunk = config.trunk
+    return replace(
+        trunk,
+        model=trunk.model.with_head_width(config.d),
+        data=replace(trunk.data, tfds_dir=str(Path(config.out_dir) / "tfds")),
+        head=replace(trunk.head, name=head),
+        out_dir=config.out_dir,
+    )
 
 
 def train_head(config: Config, head: str) -> dict[str, Any]:
@@ -150,7 +119,7 @@ def train_head(config: Config, head: str) -> dict[str, Any]:
     bar = progress(None, total=config.steps, desc=f"{head} (d = {config.d})")
     carry = trainer.initial_carry(cell.data.batch_size)
     while step < config.steps:
-        for window in cell.data.train_windows(batched, epoch, config.seed):
+        for window in cell.data.train_windows(batched, epoch, cell.seed):
             padded = pad_window(window, padded_length(window.seq_len, cell.data.seq_len_bucket))
             carry, metrics = trainer.train_step(carry, padded, window.lr_scale, averaging=False)
             losses.append(metrics.nll)
@@ -198,9 +167,7 @@ def run(config: Config) -> list[dict[str, Any]]:
     heads_dir = run_dir.path("heads")
     heads_dir.mkdir(exist_ok=True)
     # A head's curve depends on neither the folder nor the other heads of the run.
-    recorded = json.loads(
-        json.dumps({**dataclasses.asdict(config), "out_dir": None, "heads": None})
-    )
+    recorded = {**to_jsonable(config), "out_dir": None, "heads": None}
     curves = []
     for head in config.heads:
         path = heads_dir / f"{head}.json"
@@ -219,18 +186,19 @@ def run(config: Config) -> list[dict[str, Any]]:
     ]  # fmt: skip
     run_dir.write_json("gradient_bottleneck.json", {"summary": summary, "curves": curves})
     plot(curves, run_dir.path("gradient_bottleneck.png"), config.d)
-    run_dir.path("gradient_bottleneck.md").write_text(print_table(summary, floatfmt=".4g") + "\n")
+    run_dir.write_page(
+        "gradient_bottleneck.md",
+        f"Share of the loss gradient passed back to the trunk, d = {config.d}",
+        print_table(summary, floatfmt=".4g"),
+    )
     print(f"wrote {run_dir.root}/gradient_bottleneck.json, .md and .png")
     return summary
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = parse_config(Config, PRESETS, argv)
-    try:
+    with one_line_errors(config):
         return run(config)
-    except UsageError as err:
-        print(f"gradient_bottleneck.py: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -40,41 +40,32 @@ from flax import nnx
 import bottleneck as bn
 from bottleneck.nn.moe import DenseMoE
 from bottleneck.train import RunDir, open_run, parse_config, print_table, progress
+from bottleneck.train.experiment import Checked, Count
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Checked):
     """Jacobian singular values of a dense ReLU layer vs. mixture-of-experts layers (Orhan)."""
 
-    width: int = dataclasses.field(default=128, metadata={"help": "input and output size"})
-    num_inputs: int = dataclasses.field(
-        default=300, metadata={"help": "standard normal inputs to average the spectra over"}
-    )
-    experts: tuple[int, ...] = dataclasses.field(
-        default=(2, 4, 8, 16), metadata={"help": "numbers of experts K, one MoE layer pair each"}
-    )
+    width: Count = 128  # input and output size
+    num_inputs: Count = 300  # standard normal inputs to average the spectra over
+    experts: tuple[Count, ...] = (2, 4, 8, 16)  # numbers of experts K, one MoE layer pair each
     seed: int = 0
     out_dir: str = "runs/jacobian"
 
-    def validate(self) -> None:
-        if self.width < 1:
-            raise ValueError(f"width must be >= 1, got {self.width}")
-        if self.num_inputs < 1:
-            raise ValueError(f"num_inputs must be >= 1, got {self.num_inputs}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.experts:
             raise ValueError("experts must list at least one number of experts")
-        if any(k < 1 for k in self.experts):
-            raise ValueError(f"experts must all be >= 1, got {','.join(map(str, self.experts))}")
         if len(set(self.experts)) != len(self.experts):
-            raise ValueError(f"experts must be distinct, got {','.join(map(str, self.experts))}")
+            raise ValueError(f"experts must be distinct, got {' '.join(map(str, self.experts))}")
         if not self.out_dir:
             raise ValueError("out_dir must not be empty")
 
 
-PRESETS: dict[str, dict] = {
-    "smoke": {"width": 16, "num_inputs": 20, "experts": (2, 4)},
-    "default": {},
-    "paper": {"num_inputs": 1000},
+PRESETS = {
+    "smoke": Config(width=16, num_inputs=20, experts=(2, 4)),
+    "paper": Config(num_inputs=1000),
 }
 
 # A mean singular value counts as ~0 below this fraction of the dense layer's largest one.

@@ -6,17 +6,18 @@ the bottleneck (sigsoftmax, PLIF, MoS, Mixtape, ...) should lower perplexity, an
 small. This script trains one language model per cell of the grid ``heads x ds x seeds`` with the
 language model's own run loop (``experiments/language_model.py``, in-process) and tabulates it.
 
-Model (``--model transformer``, the default). The trunk is fixed and only the head's input width
-``d`` varies: every cell is the ``--trunk_preset`` of ``language_model.py`` (``transformer-study``:
-2 pre-norm layers of width 128, AdamW with warmup and a cosine over the budget) with the cell's
-head, ``--transformer.head_features d``, seed, data and budget replaced. The head reads ``h = P x``
+Model (a Transformer, by default). The trunk is fixed and only the head's input width ``d``
+varies: every cell is ``--trunk``, a config of ``language_model.py`` (by default its preset
+``transformer-study``: 2 pre-norm layers of width 128, AdamW with warmup and a cosine over the
+budget; its flags, such as ``--data_dir`` or ``--epochs``, set every cell's), with the cell's
+head, ``head_features d``, seed and folders replaced. The head reads ``h = P x``
 (a learned ``128 -> d`` projection of the trunk's features), so a softmax head's log-probabilities
 have rank <= d + 2 (with its output bias) whatever the trunk; the tied embedding is factorized
 (ALBERT): a ``d``-wide table shared with the head's decoder, projected up to the trunk's width at
 the input. Mixtures decode ``K`` latents of width ``d`` with the same tied table.
-``--model awd_lstm`` is the earlier study: a 2-layer AWD-LSTM of inner width ``--nhid`` whose last
-layer, tied embedding and head input have width ``d`` (the fields ``nhid`` ... ``nonmono`` are
-its trunk and protocol; the preset ``awd-2epoch`` is the grid of docs/lm_study.md).
+The presets ``awd-*`` are the earlier study: a 2-layer AWD-LSTM of inner width ``--nhid`` whose
+last layer, tied embedding and head input have width ``d`` (``awd-2epoch`` is the grid of
+docs/lm_study.md).
 
 Data. PTB with all its 10,000 words by default (``--vocab_size N`` keeps the N most frequent
 training words, the rest ``<unk>``). The preset ``control`` is the negative control: 64 words at
@@ -61,238 +62,74 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import matplotlib
 import numpy as np
 
-from bottleneck.nn import HEAD_NAMES
+from bottleneck.nn.presets import HeadName
 from bottleneck.train import (
-    RunDir,
-    open_run,
-    parse_config,
-    print_table,
-    to_jsonable,
-)
-from bottleneck.train.experiment import (
-    UsageError,
-    replace_fields,
-    validate_config,
-)
-from bottleneck.train.lm_config import (
     DataConfig,
     EvaluationConfig,
     HeadConfig,
     OptimizerConfig,
+    RunDir,
+    RunFolderError,
     TrainingConfig,
+    UsageError,
+    open_run,
+    parse_config,
+    print_table,
 )
+from bottleneck.train.experiment import Checked, Count, one_line_errors
+from bottleneck.train.run_folder import check_resumable, code_commit, to_jsonable
 from bottleneck.train.run_loop import TrainingDiverged
 from experiments import language_model, rank
+from experiments.language_model import AWDLSTMConfig
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-MODELS = ("transformer", "awd_lstm")
-# The AWD-LSTM study's own trunk and protocol; the Transformer's come from --trunk_preset.
-AWD_LSTM_FIELDS = (
-    "nhid", "nlayers", "dropout", "dropouth", "dropouti", "dropoute", "wdrop", "optimizer", "lr",
-    "plif_lr", "batch_size", "bptt", "nonmono",
-)  # fmt: skip
-
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Checked):
     """A grid of language models: heads x bottleneck widths d x seeds, each trained to convergence."""
 
-    model: str = dataclasses.field(
-        default="transformer",
-        metadata={
-            "help": "transformer (trunk and schedule: --trunk_preset) | awd_lstm (the fields "
-            "nhid ... nonmono)"
-        },
-    )
-    trunk_preset: str = dataclasses.field(
-        default="transformer-study",
-        metadata={
-            "help": "transformer: the experiments/language_model.py preset that gives the trunk, "
-            "optimizer and schedule of every cell (the cell sets head, d, seed, data, budget)"
-        },
-    )
-    heads: tuple[str, ...] = ("softmax", "sigsoftmax", "plif", "mos", "mixtape")
-    ds: tuple[int, ...] = dataclasses.field(
-        default=(16, 32, 64, 128), metadata={"help": "bottleneck widths d (the head's input)"}
-    )
+    #: every cell's language model (experiments/language_model.py's config: trunk, data,
+    #: optimizer, schedule, budget); each cell sets its head, its width d, the seed and folders
+    trunk: language_model.Config = language_model.PRESETS["transformer-study"]
+    heads: tuple[HeadName, ...] = ("softmax", "sigsoftmax", "plif", "mos", "mixtape")
+    ds: tuple[Count, ...] = (16, 32, 64, 128)  # bottleneck widths d (the head's input)
     seeds: tuple[int, ...] = (1, 2, 3)
-    corpus: str = dataclasses.field(default="ptb", metadata={"help": "ptb | wikitext2"})
-    data_dir: str | None = dataclasses.field(
-        default=None, metadata={"help": "folder with the release files; none: download"}
-    )
-    vocab_size: int | None = dataclasses.field(
-        default=None,
-        metadata={"help": "most frequent training words kept, others <unk>; none: all"},
-    )
-    num_components: int = dataclasses.field(
-        default=4,
-        metadata={"help": "K of the mixtures (Mixtape's sigmoid tree needs a power of 2)"},
-    )
-    num_knots: int = dataclasses.field(default=10_000, metadata={"help": "PLIF knots"})
-    # the AWD-LSTM's trunk (--model awd_lstm only: the same in every cell)
-    nhid: int = 128
-    nlayers: int = 2
-    dropout: float = 0.1
-    dropouth: float = 0.1
-    dropouti: float = 0.1
-    dropoute: float = 0.0
-    wdrop: float = 0.1
-    # the AWD-LSTM's training (--model awd_lstm only; the same protocol for every head)
-    optimizer: str = dataclasses.field(default="sgd", metadata={"help": "sgd (NT-ASGD) | adam"})
-    lr: float = 20.0
-    plif_lr: float = dataclasses.field(default=0.02, metadata={"help": "PLIF slopes' own lr"})
-    batch_size: int = 64
-    bptt: int = 35
-    nonmono: int = dataclasses.field(
-        default=1, metadata={"help": "NT-ASGD: average after N epochs without improvement"}
-    )
-    train_tokens: int | None = dataclasses.field(
-        default=None, metadata={"help": "first N training tokens only; none: all"}
-    )
-    eval_tokens: int | None = dataclasses.field(
-        default=None, metadata={"help": "first N validation / test tokens only; none: all"}
-    )
-    epochs: int = dataclasses.field(
-        default=13,
-        metadata={
-            "help": "budget per cell (the Transformer's cosine lasts the trunk preset's "
-            "decay_epochs, 10, then its final rate holds)"
-        },
-    )
-    patience: int = dataclasses.field(default=1, metadata={"help": "early-stopping patience"})
-    # the rank analysis
-    rank_d: int | None = dataclasses.field(
-        default=16, metadata={"help": "d whose first seed's test log-probs are ranked; none: skip"}
-    )
-    rank_tokens: int = dataclasses.field(default=4000, metadata={"help": "test rows ranked"})
-    rank_vocab: int = dataclasses.field(
-        default=4000, metadata={"help": "vocabulary columns ranked (a random subset if fewer)"}
-    )
-    results_csv: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "a CSV of finished cells kept apart from --out_dir (e.g. committed): each "
-            "finished cell's row is merged into it at once, and a cell whose row there has the "
-            "same config is not run again, even without its run folder"
-        },
-    )
-    after_cell: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "a shell command run after each finished cell (its name in $CELL, the CSV in "
-            "$RESULTS_CSV), e.g. to commit --results_csv"
-        },
-    )
-    report_only: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "help": "tabulate and plot the cells recorded in --results_csv (or finished in "
-            "--out_dir) without training the others, which are listed as pending"
-        },
-    )
+    rank_d: Count | None = 16  # d whose first seed's test log-probs are ranked; None: skip
+    rank_tokens: Count = 4000  # test rows ranked
+    rank_vocab: Count = 4000  # vocabulary columns ranked (a random subset if fewer)
+    #: a CSV of finished cells kept apart from --out_dir (e.g. committed): each finished cell's
+    #: row is merged into it at once, and a cell whose row there has the same config is not run
+    #: again, even without its run folder
+    results_csv: str | None = None
+    #: a shell command run after each finished cell (its name in $CELL, the CSV in
+    #: $RESULTS_CSV), e.g. to commit --results_csv
+    after_cell: str | None = None
+    #: tabulate and plot the cells recorded in --results_csv (or finished in --out_dir) without
+    #: training the others, which are listed as pending
+    report_only: bool = False
     out_dir: str = "runs/lm_study"
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.report_only and self.results_csv is None:
             raise ValueError("report_only reads --results_csv: name the CSV of recorded cells")
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
-        unknown = [h for h in self.heads if h not in HEAD_NAMES]
-        if unknown:
-            raise ValueError(f"unknown head(s) {unknown}; choose from {', '.join(HEAD_NAMES)}")
-        if not self.heads or not self.ds or not self.seeds:
-            raise ValueError("heads, ds and seeds must each name at least one value")
         for name in ("heads", "ds", "seeds"):
             values = getattr(self, name)
-            if len(set(values)) != len(values):
-                raise ValueError(f"{name} has repeated values: {values}")
-        if min(self.ds) < 1:
-            raise ValueError(f"every d must be >= 1, got {self.ds}")
+            if not values or len(set(values)) != len(values):
+                raise ValueError(f"{name} must name distinct values, at least one, got {values}")
         if self.rank_d is not None and self.rank_d not in self.ds:
             raise ValueError(f"rank_d {self.rank_d} is not one of ds {self.ds}")
-        for name in ("rank_tokens", "rank_vocab"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.model == "transformer":
-            if self.trunk_preset not in language_model.PRESETS:
-                raise ValueError(
-                    f"trunk_preset {self.trunk_preset!r} is not a preset of language_model.py; "
-                    f"choose one of {', '.join(language_model.PRESETS)}"
-                )
-            changed = [
-                name for name in AWD_LSTM_FIELDS
-                if getattr(self, name) != getattr(Config, name)
-            ]  # fmt: skip
-            if changed:
-                raise ValueError(
-                    f"{', '.join(changed)} apply to --model awd_lstm; the Transformer's trunk and "
-                    "schedule come from --trunk_preset"
-                )
-        # Everything else is checked by the language model's own Config, for every cell, now.
-        for head in self.heads:
-            validate_config(cell_config(self, head, self.ds[0], self.seeds[0]))
-
-
-# Seconds: the fixture corpus, a tiny model, every stage (resume, rank, table, plots).
-_SMOKE = {
-    "data_dir": str(language_model.FIXTURES_DIR),
-    "heads": ("softmax", "mos"),
-    "ds": (4,),
-    "seeds": (1,),
-    "num_components": 2,
-    "num_knots": 100,
-    "epochs": 2,
-    "train_tokens": 200,
-    "eval_tokens": 100,
-    "rank_d": 4,
-    "rank_tokens": 50,
-    "rank_vocab": 50,
-}
-_AWD_LSTM = {"model": "awd_lstm", "ds": (8, 16, 32), "rank_d": 8, "patience": 2}
-PRESETS: dict[str, dict[str, Any]] = {
-    # The negative control: a vocabulary no wider than d, where no head has a rank bottleneck
-    # (64 words incl. <unk> and <eos>, d = 64): the heads should tie within the seed spread.
-    "control": {"vocab_size": 64, "ds": (64,), "rank_d": 64, "rank_vocab": 64},
-    # Seconds: the fixture corpus, a tiny Transformer, every stage (resume, rank, table, plots).
-    "smoke": {**_SMOKE, "trunk_preset": "transformer-smoke"},
-    # The same for the AWD-LSTM.
-    "awd-smoke": {**_AWD_LSTM, **_SMOKE, "nhid": 16, "batch_size": 2, "bptt": 3, "lr": 1.0},
-    # The AWD-LSTM grid of docs/lm_study.md (2 epochs on a 2,000-word PTB: not converged).
-    "awd-2epoch": {
-        **_AWD_LSTM,
-        "heads": ("softmax", "sigsoftmax", "plif", "mos", "moss"),
-        "seeds": (1, 2),
-        "vocab_size": 2000,
-        "num_components": 3,
-        "epochs": 2,
-    },
-    # For a GPU: the AWD-LSTM at wider bottlenecks, three seeds, a longer budget.
-    "awd-full": {
-        **_AWD_LSTM,
-        "heads": ("softmax", "sigsoftmax", "plif", "mos", "moss", "mos_plif", "monotone_mlp"),
-        "ds": (16, 32, 64, 128, 256),
-        "nhid": 512,
-        "nlayers": 3,
-        "num_components": 8,
-        "num_knots": 100_000,
-        "epochs": 40,
-        "patience": 3,
-        "rank_d": 64,
-        "rank_tokens": 20_000,
-        "rank_vocab": 10_000,
-    },
-}
-
-
-# ----------------------------------------------------------------------------------------------
+        for head in self.heads:  # the language model's own checks, for every cell, now
+            cell_config(self, head, self.ds[0], self.seeds[0])
 
 
 def cell_name(head: str, d: int, seed: int) -> str:
@@ -300,40 +137,18 @@ def cell_name(head: str, d: int, seed: int) -> str:
 
 
 def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.Config:
-    """The language-model config of one cell (its own folder; the prepared corpus is shared)."""
-    root = Path(config.out_dir)
+    """The language-model config of one cell: the trunk with this cell's head, width, seed and
+    folder (the prepared corpus is shared)."""
+    root, trunk = Path(config.out_dir), config.trunk
     ranked = head in config.heads and d == config.rank_d and seed == config.seeds[0]
-    if config.model == "transformer":
-        return _transformer_cell(config, head, d, seed, ranked)
-    return language_model.Config(
-        data=DataConfig(
-            corpus=config.corpus,
-            data_dir=config.data_dir,
-            tfds_dir=str(root / "tfds"),
-            vocab_size=config.vocab_size,
-            train_tokens=config.train_tokens,
-            eval_tokens=config.eval_tokens,
-            batch_size=config.batch_size,
-            eval_batch_size=config.batch_size,
-            bptt=config.bptt,
-        ),
-        awd_lstm=language_model.AWDLSTMConfig(
-            emsize=d,
-            nhid=config.nhid,
-            nlayers=config.nlayers,
-            dropout=config.dropout,
-            dropouth=config.dropouth,
-            dropouti=config.dropouti,
-            dropoute=config.dropoute,
-            wdrop=config.wdrop,
-        ),
-        head=HeadConfig(head, num_components=config.num_components, num_knots=config.num_knots),
-        optimizer=OptimizerConfig(
-            config.optimizer, lr=config.lr, plif_lr=config.plif_lr, nonmono=config.nonmono
-        ),
-        training=TrainingConfig(epochs=config.epochs, patience=config.patience),
-        evaluation=EvaluationConfig(
-            test_batch_size=config.batch_size,
+    return replace(
+        trunk,
+        model=trunk.model.with_head_width(d),
+        data=replace(trunk.data, tfds_dir=str(root / "tfds")),
+        head=replace(trunk.head, name=head),
+        evaluation=replace(
+            trunk.evaluation,
+            dynamic_eval=False,
             max_logprob_tokens=config.rank_tokens if ranked else 0,
         ),
         seed=seed,
@@ -341,31 +156,89 @@ def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.
     )
 
 
-def _transformer_cell(
-    config: Config, head: str, d: int, seed: int, ranked: bool
-) -> language_model.Config:
-    """The trunk preset with this cell's head, width, seed, data and budget replaced."""
-    root = Path(config.out_dir)
-    changes = {
-        **language_model.PRESETS[config.trunk_preset],
-        "data.corpus": config.corpus,
-        "data.data_dir": config.data_dir,
-        "data.tfds_dir": str(root / "tfds"),
-        "data.vocab_size": config.vocab_size,
-        "data.train_tokens": config.train_tokens,
-        "data.eval_tokens": config.eval_tokens,
-        "transformer.head_features": d,
-        "head.name": head,
-        "head.num_components": config.num_components,
-        "head.num_knots": config.num_knots,
-        "training.epochs": config.epochs,
-        "training.patience": config.patience,
-        "evaluation.dynamic_eval": False,
-        "evaluation.max_logprob_tokens": config.rank_tokens if ranked else 0,
-        "seed": seed,
-        "out_dir": str(root / "cells" / cell_name(head, d, seed)),
-    }
-    return replace_fields(language_model.Config(), changes)
+# Seconds: the fixture corpus, a tiny Transformer, every stage (resume, rank, table, plots).
+_SMOKE = dict(
+    heads=("softmax", "mos"), ds=(4,), seeds=(1,), rank_d=4, rank_tokens=50, rank_vocab=50
+)
+# The AWD-LSTM's grid (the same protocol for every head): a 2-layer model of inner width 128,
+# SGD with NT-ASGD.
+_AWD = language_model.Config(
+    model=AWDLSTMConfig(
+        nhid=128, nlayers=2, dropout=0.1, dropouth=0.1, dropouti=0.1, dropoute=0.0, wdrop=0.1
+    ),
+    data=DataConfig(batch_size=64, eval_batch_size=64, bptt=35),
+    head=HeadConfig(num_components=4, num_knots=10_000),
+    optimizer=OptimizerConfig(lr=20.0, nonmono=1),
+    training=TrainingConfig(epochs=13, patience=2),
+    evaluation=EvaluationConfig(test_batch_size=64),
+)
+PRESETS: dict[str, Config] = {
+    # The negative control: a vocabulary no wider than d, where no head has a rank bottleneck
+    # (64 words incl. <unk> and <eos>, d = 64): the heads should tie within the seed spread.
+    "control": Config(
+        trunk=replace(Config.trunk, data=replace(Config.trunk.data, vocab_size=64)),
+        ds=(64,),
+        rank_d=64,
+        rank_vocab=64,
+    ),
+    "smoke": Config(
+        trunk=replace(
+            language_model.PRESETS["transformer-smoke"],
+            training=TrainingConfig(epochs=2, patience=1),
+        ),
+        **_SMOKE,
+    ),
+    # The same for the AWD-LSTM.
+    "awd-smoke": Config(
+        trunk=replace(
+            _AWD,
+            model=replace(_AWD.model, nhid=16),
+            data=DataConfig(
+                data_dir=str(language_model.FIXTURES_DIR),
+                train_tokens=200,
+                eval_tokens=100,
+                batch_size=2,
+                eval_batch_size=2,
+                bptt=3,
+            ),
+            head=HeadConfig(num_components=2, num_knots=100),
+            optimizer=OptimizerConfig(lr=1.0, nonmono=1),
+            training=TrainingConfig(epochs=2, patience=2),
+            evaluation=EvaluationConfig(test_batch_size=2),
+        ),
+        **_SMOKE,
+    ),
+    # The AWD-LSTM grid of docs/lm_study.md (2 epochs on a 2,000-word PTB: not converged).
+    "awd-2epoch": Config(
+        trunk=replace(
+            _AWD,
+            data=replace(_AWD.data, vocab_size=2000),
+            head=replace(_AWD.head, num_components=3),
+            training=TrainingConfig(epochs=2, patience=2),
+        ),
+        heads=("softmax", "sigsoftmax", "plif", "mos", "moss"),
+        ds=(8, 16, 32),
+        seeds=(1, 2),
+        rank_d=8,
+    ),
+    # For a GPU: the AWD-LSTM at wider bottlenecks, three seeds, a longer budget.
+    "awd-full": Config(
+        trunk=replace(
+            _AWD,
+            model=replace(_AWD.model, nhid=512, nlayers=3),
+            head=HeadConfig(num_components=8, num_knots=100_000),
+            training=TrainingConfig(epochs=40, patience=3),
+        ),
+        heads=("softmax", "sigsoftmax", "plif", "mos", "moss", "mos_plif", "monotone_mlp"),
+        ds=(16, 32, 64, 128, 256),
+        rank_d=64,
+        rank_tokens=20_000,
+        rank_vocab=10_000,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def finished_results(cell: language_model.Config) -> dict[str, Any] | None:
@@ -373,7 +246,9 @@ def finished_results(cell: language_model.Config) -> dict[str, Any] | None:
     root = Path(cell.out_dir)
     if not (root / "results.json").is_file() or not (root / "config.json").is_file():
         return None
-    if json.loads((root / "config.json").read_text()).get("config") != to_jsonable(cell):
+    try:
+        check_resumable(root, cell)  # every field as recorded
+    except RunFolderError:
         return None  # e.g. a longer --epochs budget: the cell resumes from its checkpoint
     return json.loads((root / "results.json").read_text())
 
@@ -428,8 +303,17 @@ def converged(stop_reason: str, valid_ppls: list[float]) -> bool:
 
 
 def config_sha(cell: language_model.Config) -> str:
-    """A digest of what makes a cell's result: its config without folders and evaluation."""
+    """A digest of what makes a cell's result: its config without folders and evaluation.
+
+    The config as ``config.json`` records it (:func:`~bottleneck.train.run_folder.to_jsonable`:
+    ``"model": "transformer"`` and the model's fields under ``"transformer"``) with every other
+    model family's group at its defaults, as when each config held both (the digests in
+    docs/results/ stay valid); the head's options only those it takes; no ``out_dir``,
+    ``evaluation``, ``data.data_dir`` or ``data.tfds_dir``.
+    """
     tree = to_jsonable(cell)
+    for model in language_model.MODELS:
+        tree.setdefault(model.family, to_jsonable(model()))
     tree.pop("out_dir")
     tree.pop("evaluation")
     # Only the options the head takes: a softmax cell is the same whatever K the mixtures use.
@@ -438,33 +322,16 @@ def config_sha(cell: language_model.Config) -> str:
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def code_commit() -> str:
-    """The commit of the code running the study, ``-dirty`` if its library or scripts differ."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "bottleneck", "experiments"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha[:12] + ("-dirty" if dirty else "")
-
-
 def cell_row(
     config: Config, cell: language_model.Config, results: dict[str, Any], curve: list
 ) -> dict:
     """One cell's result row (the columns of :data:`RESULT_COLUMNS` when it finished)."""
     row: dict[str, Any] = {
-        "corpus": config.corpus,
-        "model": config.model,
-        "vocab_size": config.vocab_size,
+        "corpus": cell.data.corpus,
+        "model": cell.model.family,
+        "vocab_size": cell.data.vocab_size,
         "head": cell.head.name,
-        "d": _cell_d(config, cell),
+        "d": cell.model.head_width,
         "seed": cell.seed,
         "status": results["status"],
     }
@@ -486,12 +353,6 @@ def cell_row(
         "commit": code_commit(),
         "config_sha": config_sha(cell),
     }
-
-
-def _cell_d(config: Config, cell: language_model.Config) -> int:
-    if config.model == "transformer":
-        return cell.transformer.head_features
-    return cell.awd_lstm.emsize
 
 
 def read_results_csv(path: Path) -> dict[tuple[str, int, int, str], dict[str, Any]]:
@@ -568,14 +429,22 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
     return table
 
 
+def title(config: Config) -> str:
+    trunk = config.trunk
+    return (
+        f"LM study: {trunk.model.family} on {trunk.data.corpus} "
+        f"({trunk.data.vocab_size or 'all'} words), heads x d x seeds {list(config.seeds)}"
+    )
+
+
 def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Config) -> str:
+    """The results page's body: the table of heads x d, then what each cell's row says."""
+    trunk = config.trunk
     lines = [
-        f"# LM study: {config.model} on {config.corpus} "
-        f"({config.vocab_size or 'all'} words), heads x d x seeds {list(config.seeds)}",
-        "",
         "Test perplexity of the best-validation model, mean ± std over seeds; gain = softmax's "
         "mean test perplexity at the same d minus the head's (positive: better than softmax). "
-        f"Budget {config.epochs} epochs per cell, early stopping with patience {config.patience}; "
+        f"Budget {trunk.training.epochs} epochs per cell, early stopping with patience "
+        f"{trunk.training.patience}; "
         "'stopped early' counts the seeds whose validation perplexity stopped improving before "
         "the budget ended; 'converged' those stopped early or whose last three epochs improved "
         f"validation by less than {100 * CONVERGED_IMPROVEMENT:g}% in all.",
@@ -627,7 +496,7 @@ def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
     ax.set_xticks(list(config.ds), [str(d) for d in config.ds])
     ax.set_xlabel("d (head input width: the bottleneck)")
     ax.set_ylabel("test perplexity (mean ± std over seeds)")
-    ax.set_title(f"{config.corpus}: perplexity against the bottleneck width")
+    ax.set_title(f"{config.trunk.data.corpus}: perplexity against the bottleneck width")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -658,7 +527,7 @@ def plot_curves(curves: dict[tuple[str, int, int], list], config: Config, path: 
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("validation perplexity")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{config.corpus}: learning curves (line style: seed)")
+    fig.suptitle(f"{config.trunk.data.corpus}: learning curves (line style: seed)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -726,7 +595,7 @@ def run_study(config: Config) -> dict[str, Any]:
     table = summarize(rows, config)
     ranks = rank_cells(config, run) if config.rank_d is not None else []
     study = {
-        "corpus": config.corpus,
+        "corpus": config.trunk.data.corpus,
         "cells": rows,
         "summary": table,
         "ranks": ranks,
@@ -746,7 +615,7 @@ def run_study(config: Config) -> dict[str, Any]:
         text += "".join(
             f"| {r['head']} | {r['numerical_rank']} | {r['effective_rank']} |\n" for r in ranks
         )
-    run.path("study.md").write_text(text)
+    run.write_page("study.md", title(config), text)
     plot_vs_d(table, config, run.path("test_ppl_vs_d.png"))
     plot_curves(curves, config, run.path("learning_curves.png"))
     print_table(
@@ -764,7 +633,8 @@ def run_study(config: Config) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = parse_config(Config, PRESETS, argv)
-    study = run_study(config)
+    with one_line_errors(config):
+        study = run_study(config)
     if any(r["status"] == "failed" for r in study["cells"]):
         raise SystemExit(1)
     return study

@@ -42,27 +42,18 @@ import numpy as np
 
 from bottleneck.nn.transformer import Transformer
 from bottleneck.train import UsageError, parse_config
+from bottleneck.train.experiment import Checked, Count, one_line_errors
 from experiments.generate import load_run
 
 SATURATED = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Checked):
     """Logit spread and latent saturation of a trained language_model.py run's head."""
 
-    run_dir: str = dataclasses.field(
-        default="", metadata={"help": "the --out_dir of a language_model.py run (required)"}
-    )
-    tokens: int = dataclasses.field(
-        default=4096, metadata={"help": "validation tokens measured (whole windows)"}
-    )
-
-    def validate(self) -> None:
-        if not self.run_dir:
-            raise ValueError("--run_dir is required")
-        if self.tokens < 1:
-            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+    run_dir: str  # the --out_dir of a language_model.py run
+    tokens: Count = 4096  # validation tokens measured (whole windows)
 
 
 def head_inputs(model: Any, windows: np.ndarray) -> jnp.ndarray:
@@ -120,7 +111,7 @@ def run(config: Config) -> dict[str, Any]:
     windows = validation[: count * length].reshape(count, length)
     stats = {
         "run_dir": config.run_dir,
-        "model": run_config.model,
+        "model": run_config.model.family,
         "head": run_config.head.name,
         **measure(model, windows, len(vocabulary)),
     }
@@ -132,12 +123,9 @@ def run(config: Config) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    config = parse_config(Config, {}, argv)
-    try:
+    config = parse_config(Config, argv=argv)
+    with one_line_errors(config):
         return run(config)
-    except UsageError as err:
-        print(f"logit_spread.py: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

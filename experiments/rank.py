@@ -14,7 +14,7 @@ both recorded in config.json: the output bias is drawn from N(0, bias_std^2) so 
 (bias_std 0 gives d + 1 for softmax), and the decoder W is redrawn from N(0, logit_std^2 / d') so
 the logits W h have standard deviation about logit_std (d' = the decoder's input width; exactly
 logit_std for the single-component heads, less for mixtures, whose tanh latents are < 1). The
-heads' own U(-0.1, 0.1) init (`--logit_std none`) gives logits of std 0.16-0.5, where every
+heads' own U(-0.1, 0.1) init (`--logit_std None`) gives logits of std 0.16-0.5, where every
 normalizer is nearly linear and the log-probs are nearly the constant -log M: the numerical
 ranks still separate softmax from the rest, but the effective rank is 1 for all but ReLU. PLIF
 starts with plif_noise = 1 (otherwise it is the identity, i.e. softmax). The effective rank is
@@ -53,6 +53,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Sequence
+from typing import Annotated, Literal
 
 import jax
 import jax.numpy as jnp
@@ -64,119 +65,71 @@ import bottleneck as bn
 from bottleneck import nn
 from bottleneck import spectrum_streaming as ss
 from bottleneck.nn import HEAD_NAMES, make_head
-from bottleneck.train import RunDir, open_run, parse_config, print_table, progress
+from bottleneck.nn.presets import HeadName
+from bottleneck.train import RunDir, UsageError, open_run, parse_config, print_table, progress
+from bottleneck.train.experiment import (
+    Checked,
+    Count,
+    Interval,
+    NonNegative,
+    Positive,
+    one_line_errors,
+)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-MODES = ("random", "model")
-
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Checked):
     """Ranks of log-probability matrices: random heads (--mode random) or a model's (--mode model)."""
 
-    mode: str = dataclasses.field(default="random", metadata={"help": "random | model"})
-    # --mode random
-    heads: tuple[str, ...] = (
-        "softmax",
-        "sigsoftmax",
-        "sigmoid",
-        "relu",
-        "plif",
-        "monotone_mlp",
-        "mos",
-        "moss",
-    )
-    dims: tuple[int, ...] = dataclasses.field(
-        default=(8, 16, 32, 64), metadata={"help": "hidden sizes d"}
-    )
-    num_contexts: int = dataclasses.field(default=512, metadata={"help": "N, rows of H"})
-    vocab_size: int = dataclasses.field(default=1024, metadata={"help": "M"})
-    logit_std: float | None = dataclasses.field(
-        default=1.0,
-        metadata={"help": "redraw W so that W h has about this std; none keeps the head's init"},
-    )
-    bias_std: float = dataclasses.field(
-        default=1.0, metadata={"help": "std of the random output bias (0: no bias, rank d + 1)"}
-    )
-    num_components: int = dataclasses.field(default=15, metadata={"help": "K of MoS / MoSS"})
-    num_knots: int = dataclasses.field(default=100_000, metadata={"help": "PLIF knots"})
-    plif_noise: float = dataclasses.field(
-        default=1.0, metadata={"help": "std of the PLIF slope noise (0: identity = softmax)"}
-    )
-    num_hidden: int = dataclasses.field(default=16, metadata={"help": "monotone MLP width"})
+    mode: Literal["random", "model"] = "random"
+    # --mode random:
+    heads: tuple[HeadName, ...] = (
+        "softmax", "sigsoftmax", "sigmoid", "relu", "plif", "monotone_mlp", "mos", "moss",
+    )  # fmt: skip
+    dims: tuple[Count, ...] = (8, 16, 32, 64)  # hidden sizes d
+    num_contexts: Count = 512  # N, rows of H
+    vocab_size: Annotated[int, Interval("[2, inf)")] = 1024  # M
+    #: redraw W so that W h has about this std; None keeps the head's init
+    logit_std: Positive | None = 1.0
+    bias_std: NonNegative[float] = 1.0  # std of the random output bias (0: no bias, rank d + 1)
+    num_components: Count = 15  # K of MoS / MoSS
+    num_knots: Count = 100_000  # PLIF knots
+    plif_noise: NonNegative[float] = 1.0  # std of the PLIF slope noise (0: identity = softmax)
+    num_hidden: Count = 16  # monotone MLP width
     # --mode model
-    log_probs: str | None = dataclasses.field(
-        default=None, metadata={"help": "a .npy [T, M] or a folder of .npy blocks [T_i, M]"}
-    )
-    hidden_size: int | None = dataclasses.field(
-        default=None, metadata={"help": "the model's d, for the d + 2 line"}
-    )
-    max_vocab: int = dataclasses.field(
-        default=12_000, metadata={"help": "analyse a random subset of this many columns if M > it"}
-    )
-    max_tokens: int | None = dataclasses.field(
-        default=None, metadata={"help": "analyse a random subset of this many rows if T > it"}
-    )
-    block_rows: int = dataclasses.field(default=1024, metadata={"help": "rows read at a time"})
-    max_json_values: int = dataclasses.field(
-        default=5000, metadata={"help": "singular values kept in results.json (all in the CSV)"}
-    )
+    log_probs: str | None = None  # a .npy [T, M] or a folder of .npy blocks [T_i, M]
+    hidden_size: Count | None = None  # the model's d, for the d + 2 line
+    max_vocab: Count = 12_000  # analyse a random subset of this many columns if M > it
+    max_tokens: Count | None = None  # analyse a random subset of this many rows if T > it
+    block_rows: Count = 1024  # rows read at a time
+    max_json_values: Count = 5000  # singular values kept in results.json (all in the CSV)
     # both
-    energy: float = dataclasses.field(default=0.99, metadata={"help": "for the effective rank"})
+    energy: Annotated[float, Interval("(0, 1]")] = 0.99  # for the effective rank
     seed: int = 0
     out_dir: str = "runs/rank"
 
-    def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        unknown = [h for h in self.heads if h not in HEAD_NAMES]
-        if unknown:
-            raise ValueError(f"unknown head(s) {unknown}; choose from {', '.join(HEAD_NAMES)}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.heads or not self.dims:
             raise ValueError("heads and dims must each name at least one value")
-        if min(self.dims) < 1:
-            raise ValueError(f"every d in dims must be >= 1, got {self.dims}")
-        positive = ("num_contexts", "num_components", "num_knots", "num_hidden", "max_vocab")
-        positive += ("block_rows", "max_json_values")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("hidden_size", "max_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 or none, got {getattr(self, name)}")
-        if self.vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
-        if self.logit_std is not None and self.logit_std <= 0:
-            raise ValueError(f"logit_std must be > 0 or none, got {self.logit_std}")
-        if self.bias_std < 0 or self.plif_noise < 0:
-            raise ValueError(
-                f"bias_std and plif_noise must be >= 0, got {self.bias_std}, {self.plif_noise}"
-            )
-        if not 0 < self.energy <= 1:
-            raise ValueError(f"energy must be in (0, 1], got {self.energy}")
-        if self.mode == "model":
-            if self.log_probs is None:
-                raise ValueError("--log_probs PATH is required in model mode")
-            try:
-                ss.open_log_probs(self.log_probs)  # Headers only: fail now, not after a run.
-            except FileNotFoundError as err:
-                raise ValueError(str(err)) from None
+        if self.mode == "model" and self.log_probs is None:
+            raise ValueError("--log_probs PATH is required in model mode")
 
 
-PRESETS: dict[str, dict] = {
-    "smoke": {
-        "dims": (4, 8),
-        "num_contexts": 64,
-        "vocab_size": 128,
-        "num_components": 4,
-        "num_knots": 1000,
-        "num_hidden": 8,
-    },
-    "default": {},
+PRESETS = {
+    "smoke": Config(
+        dims=(4, 8),
+        num_contexts=64,
+        vocab_size=128,
+        num_components=4,
+        num_knots=1000,
+        num_hidden=8,
+    ),  # fmt: skip
     # Kanai's d = 400 at a size an in-memory SVD still handles (2048 x 4096).
-    "paper": {"dims": (50, 100, 200, 400), "num_contexts": 2048, "vocab_size": 4096},
+    "paper": Config(dims=(50, 100, 200, 400), num_contexts=2048, vocab_size=4096),
 }
 
 
@@ -318,7 +271,7 @@ def plot_random_spectra(rows: list[dict], config: Config, run: RunDir) -> None:
 
 def run_model(config: Config, run: RunDir) -> list[dict]:
     """The spectrum of the log-probs at ``config.log_probs``; writes results, CSV and plot."""
-    assert config.log_probs is not None  # validate() saw to it
+    assert config.log_probs is not None  # Config saw to it
     spectrum = ss.log_prob_spectrum(
         config.log_probs,
         max_vocab=config.max_vocab,
@@ -420,6 +373,12 @@ def plot_model_spectrum(spectrum: ss.StreamingSpectrum, config: Config, run: Run
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     config = parse_config(Config, PRESETS, argv)
+    if config.mode == "model":
+        with one_line_errors(config):  # headers only: fail now, not after a run
+            try:
+                ss.open_log_probs(config.log_probs)
+            except FileNotFoundError as err:
+                raise UsageError(str(err)) from None
     run = open_run(config.out_dir, config)
     start = time.perf_counter()
     if config.mode == "random":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from flax import nnx
 
@@ -49,6 +49,7 @@ _PRESETS: dict[str, _Preset] = {
 # distribution), "mos", "moss", "mos_plif" (mixtures of K distributions), "mixtape" (one softmax
 # over K components' gated logits).
 HEAD_NAMES = tuple(_PRESETS)
+HeadName = Literal[HEAD_NAMES]  # a preset's name, as a config field's type (its CLI choices)
 
 # The presets' option names for a piece's constructor arguments, where they differ (configs
 # and CLIs hold PLIF's noise as "plif_noise").

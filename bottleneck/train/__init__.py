@@ -1,36 +1,51 @@
-"""Training and experiment plumbing shared by every experiment script."""
+"""Training and experiment plumbing shared by every experiment script.
 
-from bottleneck.train.experiment import (
+The trainers (:class:`Trainer`, :class:`LanguageModelTrainer`) and their optimizer
+(:func:`make_optimizer`); the language-model run loop (:func:`train_and_evaluate`) and the parts
+of its config (:class:`DataConfig`, :class:`HeadConfig`, :class:`OptimizerConfig`,
+:class:`TrainingConfig`, :class:`EvaluationConfig`); the scripts' command line
+(:func:`parse_config`, :class:`Checked` configs), run folders (:func:`open_run`, :class:`RunDir`),
+tables and results pages (:func:`results_page`). The rest stays in the submodules.
+"""
+
+from bottleneck.train.experiment import Checked, parse_config, print_table, progress
+from bottleneck.train.lm import LanguageModelTrainer
+from bottleneck.train.lm_config import (
+    DataConfig,
+    EvaluationConfig,
+    HeadConfig,
+    OptimizerConfig,
+    TrainingConfig,
+)
+from bottleneck.train.run_folder import (
     RunDir,
     RunFolderError,
     UsageError,
-    check_resumable,
-    check_run_folder,
-    config_from_jsonable,
+    code_commit,
     open_run,
-    parse_config,
-    print_table,
-    progress,
-    replace_fields,
-    to_jsonable,
-    validate_config,
+    results_page,
 )
+from bottleneck.train.run_loop import train_and_evaluate
 from bottleneck.train.steps import Trainer, make_optimizer
 
 __all__ = [
+    "Checked",
+    "DataConfig",
+    "EvaluationConfig",
+    "HeadConfig",
+    "LanguageModelTrainer",
+    "OptimizerConfig",
     "RunDir",
     "RunFolderError",
     "Trainer",
+    "TrainingConfig",
     "UsageError",
-    "check_resumable",
-    "check_run_folder",
-    "config_from_jsonable",
+    "code_commit",
     "make_optimizer",
     "open_run",
     "parse_config",
     "print_table",
     "progress",
-    "replace_fields",
-    "to_jsonable",
-    "validate_config",
+    "results_page",
+    "train_and_evaluate",
 ]

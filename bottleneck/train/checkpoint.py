@@ -41,7 +41,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from bottleneck.train.experiment import RunFolderError
+from bottleneck.train.run_folder import RunFolderError
 
 META_ITEM = "meta"
 

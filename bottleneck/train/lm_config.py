@@ -1,6 +1,7 @@
 """The parts of a language-model experiment's config that do not depend on the model.
 
-Each part is a frozen dataclass that validates itself and turns into what the library needs:
+Each part is a frozen dataclass that checks itself on construction
+(:class:`~bottleneck.train.experiment.Checked`) and turns into what the library needs:
 
 * :class:`DataConfig`: which corpus and how much of it (:meth:`~DataConfig.load`), the batch
   sizes and the training windows (:meth:`~DataConfig.train_windows`: AWD-LSTM's variable
@@ -21,97 +22,53 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import optax
 import tensorflow_datasets as tfds
+import tyro
 
 from bottleneck import nn
 from bottleneck.data import CORPORA, BpttWindow, batchify, bptt_windows, load_corpus
 from bottleneck.data.tfds_builders import TokenizedCorpus, limit_vocabulary
-from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.heads import LATENTS
+from bottleneck.nn.presets import HeadName
 from bottleneck.train.dynamic_eval import STYLES
-from bottleneck.train.experiment import UsageError
+from bottleneck.train.experiment import Checked, Count, Interval, NonNegative, Positive
 from bottleneck.train.lm import padded_length
 from bottleneck.train.nt_asgd import EpochPolicy, KeepBest, NtAsgd
+from bottleneck.train.run_folder import UsageError
 from bottleneck.train.steps import make_optimizer
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-
-
-def _help(text: str, **metadata: Any) -> dict[str, Any]:
-    return {"help": text, **metadata}
-
-
-def _check_positive(part: Any, *names: str) -> None:
-    for name in names:
-        if getattr(part, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(part, name)}")
-
-
-def _check_positive_or_none(part: Any, *names: str) -> None:
-    for name in names:
-        if getattr(part, name) is not None and getattr(part, name) < 1:
-            raise ValueError(f"{name} must be >= 1 or none, got {getattr(part, name)}")
-
-
-def _check_non_negative(part: Any, *names: str) -> None:
-    for name in names:
-        if getattr(part, name) < 0:
-            raise ValueError(f"{name} must be >= 0, got {getattr(part, name)}")
+Corpus = Literal[tuple(CORPORA)]
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Checked):
     """The corpus, how much of it, and how it is cut into batches and windows."""
 
-    corpus: str = dataclasses.field(default="ptb", metadata=_help("ptb | wikitext2"))
-    data_dir: str | None = dataclasses.field(
-        default=None,
-        metadata=_help("folder with the release files (or its parent); none: $BOTTLENECK_DATA_DIR"),
-    )
-    tfds_dir: str | None = dataclasses.field(
-        default=None, metadata=_help("where TFDS prepares the corpus; none: OUT_DIR/tfds")
-    )
-    vocab_size: int | None = dataclasses.field(
-        default=None,
-        metadata=_help("keep the N most frequent training words, the others become <unk>"),
-    )
-    train_tokens: int | None = dataclasses.field(
-        default=None, metadata=_help("train on the first N training tokens only; none: all")
-    )
-    eval_tokens: int | None = dataclasses.field(
-        default=None,
-        metadata=_help("validate / test on the first N tokens of each split only; none: all"),
-    )
-    batch_size: int = 20
-    eval_batch_size: int = dataclasses.field(default=10, metadata=_help("validation batch"))
-    bptt: int = dataclasses.field(
-        default=70, metadata=_help("mean training window length; the evaluation windows' length")
-    )
-    seq_len_std: float = 5.0
-    min_seq_len: int = 5
-    max_seq_len_delta: int = 20
-    seq_len_bucket: int = dataclasses.field(
-        default=8, metadata=_help("windows are padded to multiples of this (fewer compiles)")
-    )
-
-    def validate(self) -> None:
-        if self.corpus not in CORPORA:
-            raise ValueError(f"corpus must be one of {', '.join(CORPORA)}, got {self.corpus!r}")
-        _check_positive(self, "batch_size", "eval_batch_size", "bptt", "min_seq_len")
-        _check_positive(self, "seq_len_bucket")
-        _check_positive_or_none(self, "train_tokens", "eval_tokens")
-        _check_non_negative(self, "seq_len_std", "max_seq_len_delta")
-        if self.vocab_size is not None and self.vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2 or none, got {self.vocab_size}")
+    corpus: Corpus = "ptb"
+    #: folder with the release files (or its parent); None: $BOTTLENECK_DATA_DIR
+    data_dir: str | None = None
+    tfds_dir: str | None = None  # where TFDS prepares the corpus; None: OUT_DIR/tfds
+    #: keep the N most frequent training words, the others become <unk>
+    vocab_size: Annotated[int, Interval("[2, inf)")] | None = None
+    train_tokens: Count | None = None  # train on the first N training tokens only; None: all
+    #: validate / test on the first N tokens of each split only; None: all
+    eval_tokens: Count | None = None
+    batch_size: Count = 20
+    eval_batch_size: Count = 10  # validation batch
+    bptt: Count = 70  # mean training window length; the evaluation windows' length
+    seq_len_std: NonNegative[float] = 5.0
+    min_seq_len: Count = 5
+    max_seq_len_delta: NonNegative[int] = 20
+    seq_len_bucket: Count = 8  # windows are padded to multiples of this (fewer compiles)
 
     def load(self, out_dir: str | Path) -> TokenizedCorpus:
         """The corpus as token ids: ``--vocab_size`` (counted on the whole training split), then
         the first ``--train_tokens`` / ``--eval_tokens`` of the splits; a missing or incomplete
-        data folder is a :class:`~bottleneck.train.experiment.UsageError`."""
+        data folder is a :class:`~bottleneck.train.run_folder.UsageError`."""
         tfds_dir = self.tfds_dir or str(Path(out_dir) / "tfds")
         tfds.disable_progress_bar()  # one-off preparation; its nested bars only clutter the log
         try:
@@ -162,33 +119,18 @@ _OPTION_OF_FIELD = {
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadConfig:
+class HeadConfig(Checked):
     """The output head (any of bottleneck.nn.HEAD_NAMES) and its options."""
 
-    name: str = dataclasses.field(
-        default="softmax", metadata=_help("one of " + ", ".join(HEAD_NAMES), flag="head")
-    )
-    num_components: int = dataclasses.field(
-        default=15, metadata=_help("K of mos / moss / mos_plif")
-    )
-    num_knots: int = dataclasses.field(default=100_000, metadata=_help("PLIF knots"))
+    name: Annotated[HeadName, tyro.conf.arg(aliases=("--head",))] = "softmax"
+    num_components: Count = 15  # K of mos / moss / mos_plif / mixtape
+    num_knots: Count = 100_000  # PLIF knots
     plif_bound: float = 20.0
     plif_noise: float = 0.0
-    num_hidden: int = dataclasses.field(default=16, metadata=_help("monotone_mlp width"))
-    latent: str = dataclasses.field(
-        default="tanh",
-        metadata=_help(
-            "the mixtures' latent map: tanh (Yang et al.) | linear (identity-initialised facets, "
-            "Chang & McCallum 2022)"
-        ),
-    )
-
-    def validate(self) -> None:
-        if self.name not in HEAD_NAMES:
-            raise ValueError(f"unknown head {self.name!r}; choose one of {', '.join(HEAD_NAMES)}")
-        _check_positive(self, "num_components", "num_knots", "num_hidden")
-        if self.latent not in LATENTS:
-            raise ValueError(f"latent must be one of {', '.join(LATENTS)}, got {self.latent!r}")
+    num_hidden: Count = 16  # monotone_mlp width
+    #: the mixtures' latent map: tanh (Yang et al.) | linear (identity-initialised facets, Chang &
+    #: McCallum 2022).
+    latent: Literal[LATENTS] = "tanh"
 
     @property
     def uses_plif(self) -> bool:
@@ -206,54 +148,25 @@ class HeadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(Checked):
     """The optimizer: SGD with NT-ASGD (AWD-LSTM's), Adam, or AdamW with linear warmup and
     cosine decay (a Transformer's); clipping, weight decay."""
 
-    name: str = dataclasses.field(
-        default="sgd",
-        metadata=_help("sgd (NT-ASGD) | adam | adamw (warmup + cosine decay)", flag="optimizer"),
+    #: sgd (NT-ASGD) | adam | adamw (warmup + cosine decay)
+    name: Annotated[Literal["sgd", "adam", "adamw"], tyro.conf.arg(aliases=("--optimizer",))] = (
+        "sgd"
     )
-    lr: float = dataclasses.field(default=30.0, metadata=_help("learning rate; adamw: its peak"))
-    plif_lr: float | None = dataclasses.field(
-        default=0.02, metadata=_help("PLIF slopes' own learning rate (Ganea et al.); none: --lr")
-    )
-    clip: float = dataclasses.field(default=0.25, metadata=_help("global-norm clip; 0: off"))
-    weight_decay: float = dataclasses.field(
-        default=1.2e-6, metadata=_help("L2 on the gradient; adamw: decoupled, matrices only")
-    )
-    nonmono: int = dataclasses.field(
-        default=5,
-        metadata=_help("NT-ASGD: average once validation has not improved for N epochs"),
-    )
-    warmup_steps: int = dataclasses.field(
-        default=1000, metadata=_help("adamw: steps of linear warmup from 0 to --lr")
-    )
-    final_lr_fraction: float = dataclasses.field(
-        default=0.1,
-        metadata=_help("adamw: the cosine decay ends at this fraction of --lr, at the last epoch"),
-    )
-    decay_epochs: int | None = dataclasses.field(
-        default=None,
-        metadata=_help(
-            "adamw: the cosine decay's length in epochs, the rate constant after it (training "
-            "can then go on at the final rate until validation stops improving); none: the "
-            "epoch budget"
-        ),
-    )
-
-    def validate(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.plif_lr is not None and self.plif_lr <= 0:
-            raise ValueError(f"plif_lr must be > 0 or none, got {self.plif_lr}")
-        _check_non_negative(self, "clip", "weight_decay", "warmup_steps")
-        _check_positive_or_none(self, "decay_epochs")
-        _check_positive(self, "nonmono")
-        if not 0 <= self.final_lr_fraction <= 1:
-            raise ValueError(f"final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}")
+    lr: Positive = 30.0  # learning rate; adamw: its peak
+    plif_lr: Positive | None = 0.02  # PLIF slopes' own learning rate (Ganea et al.); None: --lr
+    clip: NonNegative[float] = 0.25  # global-norm clip; 0: off
+    weight_decay: NonNegative[float] = 1.2e-6  # L2 on the gradient; adamw: decoupled, matrices only
+    nonmono: Count = 5  # NT-ASGD: average once validation has not improved for N epochs
+    warmup_steps: NonNegative[int] = 1000  # adamw: steps of linear warmup from 0 to --lr
+    #: adamw: the cosine decay ends at this fraction of --lr, at the last epoch
+    final_lr_fraction: Annotated[float, Interval("[0, 1]")] = 0.1
+    #: adamw: the cosine decay's length in epochs, the rate constant after it (training can then
+    #: go on at the final rate until validation stops improving); None: the epoch budget
+    decay_epochs: Count | None = None
 
     def transformation(self, *, plif: bool, total_steps: int) -> optax.GradientTransformation:
         """The optax transformation; ``plif``: the model has PLIF slopes (their own rate).
@@ -264,7 +177,7 @@ class OptimizerConfig:
         constant after. The
         schedule reads the step count in the optimizer state, so a resumed run continues it.
         ``total_steps`` must exceed ``warmup_steps`` (a
-        :class:`~bottleneck.train.experiment.UsageError` otherwise); SGD and Adam ignore it.
+        :class:`~bottleneck.train.run_folder.UsageError` otherwise); SGD and Adam ignore it.
         """
         rate, plif_rate = self.lr, (self.plif_lr if plif else None)
         if self.name == "adamw":
@@ -298,58 +211,30 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainingConfig:
+class TrainingConfig(Checked):
     """How long to train, and from where: the epoch budget, early stopping, finetuning."""
 
-    epochs: int = 1000
-    patience: int | None = dataclasses.field(
-        default=None,
-        metadata=_help("early stopping: stop when validation has not improved for N epochs"),
-    )
-    finetune_from: str | None = dataclasses.field(
-        default=None,
-        metadata=_help("run folder whose best model to finetune (averaging from the start)"),
-    )
-
-    def validate(self) -> None:
-        _check_positive(self, "epochs")
-        _check_positive_or_none(self, "patience")
+    epochs: Count = 1000
+    #: early stopping: stop when validation has not improved for N epochs
+    patience: Count | None = None
+    #: run folder whose best model to finetune (averaging from the start)
+    finetune_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluationConfig:
+class EvaluationConfig(Checked):
     """The final evaluation of the best model: test log-probabilities, dynamic evaluation."""
 
-    test_batch_size: int = 1
-    max_logprob_tokens: int | None = dataclasses.field(
-        default=None, metadata=_help("test rows of log-probs to write; none: all, 0: none")
-    )
-    logprob_block_tokens: int = dataclasses.field(default=4096, metadata=_help("rows per .npy"))
+    test_batch_size: Count = 1
+    #: test rows of log-probs to write; None: all, 0: none
+    max_logprob_tokens: NonNegative[int] | None = None
+    logprob_block_tokens: Count = 4096  # rows per .npy
     dynamic_eval: bool = False
-    dynamic_eval_style: str = dataclasses.field(default="krause", metadata=_help("krause | yang"))
-    dynamic_eval_lr: float = 5e-5
-    dynamic_eval_lambda: float = 0.002
-    dynamic_eval_epsilon: float = 0.001
-    dynamic_eval_segment: int = dataclasses.field(default=5, metadata=_help("tokens per update"))
-    dynamic_eval_batch_size: int = dataclasses.field(
-        default=100, metadata=_help("batch of the training-gradient statistics")
-    )
-    dynamic_eval_max_batches: int | None = dataclasses.field(
-        default=None, metadata=_help("training batches for the statistics; none: one epoch")
-    )
-
-    def validate(self) -> None:
-        _check_positive(self, "test_batch_size", "logprob_block_tokens", "dynamic_eval_segment")
-        _check_positive(self, "dynamic_eval_batch_size")
-        _check_positive_or_none(self, "dynamic_eval_max_batches")
-        if self.max_logprob_tokens is not None and self.max_logprob_tokens < 0:
-            raise ValueError(
-                f"max_logprob_tokens must be >= 0 or none, got {self.max_logprob_tokens}"
-            )
-        if self.dynamic_eval_style not in STYLES:
-            raise ValueError(
-                f"dynamic_eval_style must be one of {STYLES}, got {self.dynamic_eval_style!r}"
-            )
-        for name in ("dynamic_eval_lr", "dynamic_eval_lambda", "dynamic_eval_epsilon"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+    dynamic_eval_style: Literal[STYLES] = "krause"
+    dynamic_eval_lr: Positive = 5e-5
+    dynamic_eval_lambda: Positive = 0.002
+    dynamic_eval_epsilon: Positive = 0.001
+    dynamic_eval_segment: Count = 5  # tokens per update
+    dynamic_eval_batch_size: Count = 100  # batch of the training-gradient statistics
+    #: training batches for the statistics; None: one epoch
+    dynamic_eval_max_batches: Count | None = None

@@ -71,16 +71,7 @@ from tqdm.auto import tqdm
 from bottleneck.data import BpttWindow, Vocabulary, batchify
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.train.checkpoint import CheckpointStore, RunLock, StopSignals
-from bottleneck.train.experiment import (
-    RunDir,
-    UsageError,
-    check_resumable,
-    check_run_folder,
-    open_run,
-    print_table,
-    progress,
-    to_jsonable,
-)
+from bottleneck.train.experiment import print_table, progress
 from bottleneck.train.lm import (
     LanguageModelTrainer,
     LogProbBlockWriter,
@@ -91,6 +82,14 @@ from bottleneck.train.lm import (
 )
 from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
 from bottleneck.train.nt_asgd import EpochPolicy, NtAsgdStatus
+from bottleneck.train.run_folder import (
+    RunDir,
+    UsageError,
+    check_resumable,
+    check_run_folder,
+    open_run,
+    to_jsonable,
+)
 
 
 class TrainingDiverged(RuntimeError):
@@ -113,12 +112,12 @@ def open_session(
     """Takes ``out_dir`` for one run of ``config`` (:class:`Session`); releases it on exit.
 
     In this order, so that a refused folder is left as it was: the folder must be this
-    experiment's (:func:`~bottleneck.train.experiment.check_run_folder`), no other process may
+    experiment's (:func:`~bottleneck.train.run_folder.check_run_folder`), no other process may
     hold it (:class:`~bottleneck.train.checkpoint.RunLock`), and a checkpointed run in it must
     have the same config but for the fields in ``may_change``
-    (:func:`~bottleneck.train.experiment.check_resumable`); then ``config.json`` is written
+    (:func:`~bottleneck.train.run_folder.check_resumable`); then ``config.json`` is written
     (``metrics.jsonl`` is kept when resuming). Each refusal is a
-    :class:`~bottleneck.train.experiment.RunFolderError`.
+    :class:`~bottleneck.train.run_folder.RunFolderError`.
     """
     root = check_run_folder(out_dir, config)
     with RunLock(root), CheckpointStore(root / "checkpoints") as store, StopSignals() as stop:
@@ -133,7 +132,7 @@ VOCABULARY_FILE = "vocab.txt"
 
 def record_vocabulary(run: RunDir, vocabulary: Vocabulary, *, resuming: bool) -> None:
     """Writes ``vocab.txt``; when ``resuming``, a ``vocab.txt`` already there must be
-    ``vocabulary`` (:class:`~bottleneck.train.experiment.UsageError` otherwise): the checkpoint's
+    ``vocabulary`` (:class:`~bottleneck.train.run_folder.UsageError` otherwise): the checkpoint's
     token ids mean nothing with another one."""
     path = run.path(VOCABULARY_FILE)
     if resuming and path.is_file() and Vocabulary.read(path).tokens != vocabulary.tokens:

@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
 def test_rows_follow_the_library_functions(runs, tmp_path):
     out = tmp_path / "c.json"
     rows = consequences.main(
-        ["--run_dirs", f"{runs['softmax']},{runs['mos']}", "--tokens", "6", "--out", str(out)]
+        ["--run_dirs", str(runs["softmax"]), str(runs["mos"]), "--tokens", "6", "--out", str(out)]
     )
     assert json.loads(out.read_text()) == rows
     table = (tmp_path / "c.md").read_text().splitlines()
@@ -62,4 +62,7 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
 def test_missing_run_dirs_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         consequences.main([])
-    assert exit_info.value.code == 2 and "--run_dirs is required" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "consequences.py: error: the following arguments are required: --run_dirs\n"
+    )

@@ -113,3 +113,18 @@ def test_samples_from_a_transformer_run_within_its_max_len(tmp_path, capsys):
         generate.main([*flags, "--num_tokens", "8"])
     assert exit_info.value.code == 2
     assert "need 9 positions; the run's Transformer takes max_len 8" in capsys.readouterr().err
+
+
+def test_bat_tau_truncates_a_softmax_runs_samples_and_refuses_a_mixtures(run_dir, tmp_path, capsys):
+    flags = ["--run_dir", str(run_dir), "--num_tokens", "5", "--num_samples", "2"]  # softmax
+    plain = generate.main(flags)
+    # Every token of 12 words has probability above 1e-6: none needs the LP, the draw is plain's.
+    assert generate.main([*flags, "--bat_tau", "1e-6"]) == plain
+    for text in generate.main([*flags, "--bat_tau", "0.3"]):
+        assert set(text.split()) <= WORDS
+    mixture_run = _train(tmp_path / "mos", "--preset", "smoke", "--head", "mos")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--run_dir", str(mixture_run), "--bat_tau", "0.1"])
+    assert exit_info.value.code == 2
+    assert "bat_tau needs a plain softmax head" in capsys.readouterr().err

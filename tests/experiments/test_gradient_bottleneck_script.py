@@ -54,7 +54,7 @@ def test_curves_are_ratios_and_a_rerun_resumes_finished_heads(tmp_path, monkeypa
 
 def test_unknown_head_and_empty_measurement_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        gradient_bottleneck.main(["--preset", "smoke", "--heads", "softmax,nope"])
+        gradient_bottleneck.main(["--preset", "smoke", "--heads", "softmax", "nope"])
     assert exit_info.value.code == 2
     assert "nope" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:

@@ -123,10 +123,11 @@ def test_reproducible_for_a_fixed_seed(smoke, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--preset", "nope"], "invalid choice: 'nope'"),
+        (["--preset", "nope"], "argument --preset: invalid choice 'nope'"),
         (["--width", "0"], "width must be >= 1, got 0"),
-        (["--experts", "2,0"], "experts must all be >= 1, got 2,0"),
-        (["--num_inputs", "many"], "argument --num_inputs: expected int, got 'many'"),
+        (["--experts", "2", "0"], "experts must be >= 1, got (2, 0)"),
+        (["--experts", "2", "2"], "experts must be distinct, got 2 2"),
+        (["--num_inputs", "many"], "argument --num_inputs: invalid literal for int()"),
     ],
 )
 def test_bad_cli_values_exit_with_a_clear_message(args, message, tmp_path, capsys):
@@ -134,5 +135,6 @@ def test_bad_cli_values_exit_with_a_clear_message(args, message, tmp_path, capsy
     with pytest.raises(SystemExit) as exit_info:  # in-process: it fails before computing
         jacobian.main([*args, "--out_dir", str(out_dir)])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("jacobian.py: error: ") and message in line
     assert not out_dir.exists()

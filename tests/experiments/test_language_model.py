@@ -8,6 +8,7 @@ vocabulary-parallel mesh of 8 CPU devices stopped by SIGTERM mid-epoch and resum
 comparison is tests/test_sharding.py's for the AWD-LSTM; the one-device run it needs is here).
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,9 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bottleneck.train import parse_config
-from bottleneck.train.experiment import replace_fields, validate_config
-from bottleneck.train.lm_config import HeadConfig
+from bottleneck.train import HeadConfig, parse_config
 from experiments import language_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,34 +135,52 @@ def test_smoke_run_writes_every_output(smoke):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--head", "nope"], "unknown head 'nope'; choose one of softmax"),
+        (
+            ["--head", "nope"],
+            "argument --head/--head.name: invalid choice 'nope' (choose from soft",
+        ),
         (["--dropout", "1.5"], "dropout must be in [0, 1)"),
         (["--dropoutl", "0.2"], "dropoutl > 0 needs a mixture head"),
-        (["--corpus", "wiki"], "corpus must be one of ptb, wikitext2"),
-        (["--preset", "huge"], "invalid choice: 'huge'"),
+        (["--corpus", "wiki"], "invalid choice 'wiki' (choose from ptb, wikitext2)"),
+        (["--preset", "huge"], "argument --preset: invalid choice 'huge'"),
         (["--lr", "nan"], "lr must be finite, got nan"),
         (["--dynamic_eval_lambda", "inf"], "dynamic_eval_lambda must be finite"),
-        (["--patience", "0"], "patience must be >= 1 or none, got 0"),
-        (["--train_tokens", "0"], "train_tokens must be >= 1 or none, got 0"),
-        (["--model", "transformer"], "model transformer trains with --optimizer adamw"),
-        (["--model", "lstm"], "model must be one of awd_lstm, transformer, got 'lstm'"),
+        (["--patience", "0"], "patience must be >= 1 or None, got 0"),
+        (["--train_tokens", "0"], "train_tokens must be >= 1 or None, got 0"),
+        (["model:transformer"], "the transformer trains with --optimizer adamw"),
+        (["model:lstm"], "unrecognized arguments: model:lstm"),
+        (["--d_model", "8"], "unrecognized arguments: --d_model 8"),  # not the AWD-LSTM's
         (
             ["--preset", "transformer-smoke", "--max_len", "7"],
             "max_len 7 must cover the longest window, 8 steps",
         ),
         (["--preset", "transformer-smoke", "--num_heads", "3"], "num_heads 3 must divide"),
-        (["--preset", "transformer-smoke", "--optimizer", "adamw2"], "one of sgd, adam, adamw"),
+        (
+            ["--preset", "transformer-smoke", "--optimizer", "adamw2"],
+            "invalid choice 'adamw2' (choose from sgd, adam, adamw)",
+        ),
         (
             ["--data_dir", "/nonexistent"],
             "expects the files ptb.train.txt, ptb.valid.txt, ptb.test.txt",
         ),
     ],
 )
-def test_bad_flags_exit_with_a_clear_message(args, message, tmp_path, capsys):
+def test_bad_flags_exit_with_one_clear_line(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         language_model.main(["--preset", "smoke", "--out_dir", str(tmp_path), *args])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("language_model.py: error: ") and message in line
+
+
+def test_a_usage_error_is_one_line_from_the_command_line_too(env, tmp_path):
+    for args, message in [
+        (["--optimizer.lr", "nan"], "language_model.py: error: lr must be finite, got nan"),
+        (["--bogus", "1"], "language_model.py: error: unrecognized arguments: --bogus 1"),
+    ]:
+        code, stdout, stderr = _run(env, *args, "--out_dir", str(tmp_path))
+        assert (code, stdout, stderr) == (2, "", message + "\n")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 def test_missing_data_dir_and_env_var(tmp_path, capsys, monkeypatch):
@@ -180,18 +197,21 @@ def test_help_lists_the_groups_both_spellings_and_what_each_preset_sets(capsys):
         language_model.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    groups = ("data:", "awd_lstm:", "transformer:", "head:", "optimizer:", "training:")
-    for group in (*groups, "evaluation:"):
-        assert f"\n{group}\n" in text, group
-    assert "--lr FLOAT, --optimizer.lr FLOAT" in text and "--head STR, --head.name STR" in text
-    assert "--model STR" in text and "awd_lstm | transformer" in text
-    assert "--awd_lstm.tie_weights" in text and "--transformer.tie_weights" in text
-    presets = text[text.index("presets (--preset NAME)") :]
+    for group in ("data", "head", "optimizer", "training", "evaluation", "model"):
+        assert f" {group} options " in text, group
+    assert "--lr FLOAT, --optimizer.lr FLOAT" in text and "--head {softmax,sigsoftmax," in text
+    assert "--emsize INT, --model.emsize INT" in text and "--model.tie_weights" in text
+    assert "model:awd_lstm" in text and "model:transformer" in text
+    presets = text[text.index("Presets (--preset NAME") :]
     mos_ptb = presets[presets.index("  mos-ptb ") : presets.index("  mos-wt2 ")]
     assert "--head mos" in mos_ptb and "--lr 20.0" in mos_ptb and "--seed 28" in mos_ptb
     assert "--dropouti" not in mos_ptb  # 0.4, the default: only what a preset changes is listed
-    cpu = presets[presets.index("  transformer-cpu ") : presets.index("  transformer-gpu ")]
-    assert "--model transformer" in cpu and "--optimizer adamw" in cpu and "--d_model 128" in cpu
+    cpu = presets[presets.index("  transformer-cpu ") : presets.index("  transformer-study ")]
+    assert "model:transformer" in cpu and "--optimizer adamw" in cpu and "--d_model 128" in cpu
+    with pytest.raises(SystemExit):  # the chosen model's fields, from its preset
+        language_model.main(["--preset", "transformer-cpu", "--help"])
+    text = capsys.readouterr().out
+    assert "--d_model INT, --model.d_model INT" in text and "(default: 128)" in text
 
 
 def test_dotted_and_short_flags_set_the_same_field(tmp_path):
@@ -336,6 +356,7 @@ def test_the_transformer_trains_with_a_plain_and_a_mixture_head(transformer_runs
         assert results["test_ppl"] < 12  # better than uniform over the 12 words
         config = json.loads((out / "config.json").read_text())["config"]
         assert config["model"] == "transformer" and config["optimizer"]["name"] == "adamw"
+        assert "awd_lstm" not in config  # only the chosen model's fields are recorded
     results = json.loads((transformer_runs / "softmax" / "results.json").read_text())
     assert set(results["dynamic_eval"]) >= {"valid_ppl", "test_ppl", "lr", "lamb", "style"}
     log_probs = np.concatenate(
@@ -369,9 +390,8 @@ def test_adamw_runs_refuse_another_epoch_budget_on_resuming(transformer_runs, ca
         language_model.main([*MIXTURE, "--epochs", "4", "--out_dir", str(out)])
     assert exit_info.value.code == 2
     assert "different config (training.epochs: 3 -> 4)" in capsys.readouterr().err
-    # The other model's group may change: it builds nothing.
     config = parse_config(language_model.Config, language_model.PRESETS, MIXTURE)
-    assert "awd_lstm" in config.resumable_changes and "transformer" not in config.resumable_changes
+    assert not any(name.startswith("transformer") for name in config.resumable_changes)
     assert "training.epochs" in language_model.Config().resumable_changes  # SGD: no schedule
 
 
@@ -389,11 +409,22 @@ def test_head_options_the_head_does_not_take_may_change_on_resuming():
 
 
 def test_a_cosine_shorter_than_the_budget_lets_the_budget_change_on_resuming():
-    adamw = language_model.PRESETS["transformer-study"]
-    config = replace_fields(language_model.Config(), adamw)
+    config = language_model.PRESETS["transformer-study"]
     assert config.optimizer.decay_epochs == 10 and config.training.epochs == 13
     assert "training.epochs" in config.resumable_changes
-    whole = replace_fields(config, {"optimizer.decay_epochs": None})
+    whole = dataclasses.replace(
+        config, optimizer=dataclasses.replace(config.optimizer, decay_epochs=None)
+    )
     assert "training.epochs" not in whole.resumable_changes
-    with pytest.raises(ValueError, match="decay_epochs must be"):
-        validate_config(replace_fields(config, {"optimizer.decay_epochs": 0}))
+
+
+def test_configs_check_themselves_when_replaced():
+    config = language_model.PRESETS["transformer-study"]
+    with pytest.raises(ValueError, match="decay_epochs must be >= 1 or None, got 0"):
+        dataclasses.replace(config.optimizer, decay_epochs=0)
+    with pytest.raises(ValueError, match="max_len 16 must cover the longest window"):
+        dataclasses.replace(config, model=dataclasses.replace(config.model, max_len=16))
+    with pytest.raises(ValueError, match="the transformer trains with --optimizer adamw"):
+        dataclasses.replace(config, optimizer=language_model.OptimizerConfig())
+    with pytest.raises(ValueError, match="dropoutl > 0 needs a mixture head"):
+        language_model.Config(model=language_model.AWDLSTMConfig(dropoutl=0.1))

@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bottleneck.train import parse_config
 from experiments import lm_study
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "lm_study.py"
+RESULTS_CSV = ROOT / "docs" / "results" / "ptb-transformer.csv"
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +109,14 @@ def test_cells_recorded_in_the_results_csv_are_not_run_again(env, smoke, tmp_pat
     rows = tmp_path / "rows.csv"
     shutil.copy(reference / "rows.csv", rows)
     out = tmp_path / "study"  # no cell folders: the rows alone say the cells are done
-    code, stdout, stderr = _run(env, "--rank_d", "none", "--out_dir", str(out),
+    code, stdout, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out),
                                 "--results_csv", str(rows), "--after_cell", "echo ran $CELL")  # fmt: skip
     assert code == 0, stderr
     assert stdout.count("recorded in") == 2 and "ran " not in stdout
     assert not (out / "cells").exists()
     assert _cells(out).keys() == _cells(reference).keys()
     # Another config (a longer budget) is another result: the cell runs, its row is replaced.
-    code, stdout, stderr = _run(env, "--rank_d", "none", "--out_dir", str(out), "--heads",
+    code, stdout, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out), "--heads",
                                 "softmax", "--epochs", "1", "--results_csv", str(rows),
                                 "--after_cell", "echo ran $CELL")  # fmt: skip
     assert code == 0, stderr
@@ -123,7 +125,7 @@ def test_cells_recorded_in_the_results_csv_are_not_run_again(env, smoke, tmp_pat
         epochs = {r["head"]: r["epochs"] for r in csv.DictReader(f)}
     assert epochs == {"mos": "2", "softmax": "1"}
     # Rerun: the cell's folder is finished and its row recorded, so the hook does not run again.
-    code, stdout, stderr = _run(env, "--rank_d", "none", "--out_dir", str(out), "--heads",
+    code, stdout, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out), "--heads",
                                 "softmax", "--epochs", "1", "--results_csv", str(rows),
                                 "--after_cell", "echo ran $CELL")  # fmt: skip
     assert code == 0, stderr
@@ -133,7 +135,7 @@ def test_cells_recorded_in_the_results_csv_are_not_run_again(env, smoke, tmp_pat
 @pytest.fixture(scope="module")
 def awd_smoke(env, tmp_path_factory):
     out = tmp_path_factory.mktemp("awd_study")
-    code, _, stderr = _run(env, "--rank_d", "none", "--out_dir", str(out), preset="awd-smoke")
+    code, _, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out), preset="awd-smoke")
     assert code == 0, stderr
     return out
 
@@ -144,6 +146,25 @@ def test_the_awd_lstm_grid_still_runs(awd_smoke):
     assert all(1 < c["test_ppl"] < 13 for c in cells.values())
     config = json.loads((awd_smoke / "cells" / "mos-d4-s1" / "config.json").read_text())["config"]
     assert config["model"] == "awd_lstm" and config["awd_lstm"]["emsize"] == 4
+
+
+def test_the_committed_grid_rows_are_recognised_by_their_config_sha(tmp_path):
+    # The rows' config_sha was computed by the code that ran the grid, `lm_study.py --out_dir
+    # /work/grid/ptb/runs --results_csv docs/results/ptb-transformer.csv --data_dir
+    # /work/shared/data/ptb`: the same command (or other folders) must make cells of the same
+    # digest, or every recorded cell would be trained again.
+    rows = lm_study.read_results_csv(RESULTS_CSV)
+    assert len(rows) >= 3 and {row["model"] for row in rows.values()} == {"transformer"}
+    folders = [("/work/grid/ptb/runs", "/work/shared/data/ptb"), (str(tmp_path), "elsewhere")]
+    for out_dir, data_dir in folders:
+        argv = ["--out_dir", out_dir, "--results_csv", str(RESULTS_CSV), "--data_dir", data_dir]
+        config = parse_config(lm_study.Config, lm_study.PRESETS, argv)
+        for head, d, seed, sha in rows:
+            assert lm_study.config_sha(lm_study.cell_config(config, head, d, seed)) == sha
+    # What makes a result is in the digest: another rate is another cell.
+    config = parse_config(lm_study.Config, lm_study.PRESETS, ["--lr", "0.002"])
+    head, d, seed, sha = next(iter(rows))
+    assert lm_study.config_sha(lm_study.cell_config(config, head, d, seed)) != sha
 
 
 def test_converged_is_early_stopping_or_a_flat_last_three_epochs():
@@ -157,7 +178,7 @@ def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, awd_sm
     # The AWD-LSTM's SGD may extend its budget; AdamW's epochs set its schedule (refused).
     reference = awd_smoke
     out = tmp_path / "study"
-    flags = ["--rank_d", "none", "--out_dir", str(out)]  # rank: the smoke grid checks it
+    flags = ["--rank_d", "None", "--out_dir", str(out)]  # rank: the smoke grid checks it
     code, _, stderr = _run(env, *flags, "--epochs", "1", preset="awd-smoke")
     assert code == 0, stderr
     assert {c["epochs"] for c in _cells(out).values()} == {1}
@@ -183,7 +204,7 @@ def test_a_failing_cell_is_recorded_and_the_others_finish(env, tmp_path):
     blocked = out / "cells" / "mos-d4-s1"
     blocked.mkdir(parents=True)
     (blocked / "config.json").write_text(json.dumps({"experiment": "synthetic"}))
-    code, stdout, stderr = _run(env, "--rank_d", "none", "--out_dir", str(out))
+    code, stdout, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out))
     assert code == 1
     assert "cell mos-d4-s1 failed" in stderr and "holds a run of synthetic" in stderr
     cells = _cells(out)
@@ -195,27 +216,27 @@ def test_a_failing_cell_is_recorded_and_the_others_finish(env, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--heads", "softmax,nope"], "unknown head(s) ['nope']"),
-        (["--ds", "4,4"], "ds has repeated values"),
+        (["--heads", "softmax", "nope"], "argument --heads: "),
+        (["--ds", "4", "4"], "ds must name distinct values, at least one, got (4, 4)"),
         (["--rank_d", "16"], "rank_d 16 is not one of ds (4,)"),
         (["--lr", "nan"], "lr must be finite"),
         (["--patience", "0"], "patience must be >= 1"),
-        (["--lr", "1.0"], "lr apply to --model awd_lstm"),
-        (["--trunk_preset", "nope"], "trunk_preset 'nope' is not a preset"),
-        (["--model", "rnn"], "model must be one of transformer, awd_lstm"),
+        (["--max_len", "4"], "max_len 4 must cover the longest window"),  # the cells' own check
+        (["trunk.model:rnn"], "unrecognized arguments: trunk.model:rnn"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         lm_study.main(["--preset", "smoke", "--out_dir", str(tmp_path), *args])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("lm_study.py: error: ") and message in line
 
 
 def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke, tmp_path):
     reference, _ = smoke
     out = tmp_path / "report"
-    code, stdout, stderr = _run(env, "--heads", "softmax,sigsoftmax,mos", "--rank_d", "none",
+    code, stdout, stderr = _run(env, "--heads", "softmax", "sigsoftmax", "mos", "--rank_d", "None",
                                 "--results_csv", str(reference / "rows.csv"), "--report_only",
                                 "--out_dir", str(out))  # fmt: skip
     assert code == 0, stderr

@@ -30,6 +30,7 @@ def test_smoke_preset_writes_results_table_and_plot(smoke_runs):
     (out, _), (result, _) = smoke_runs[0], smoke_runs[1]
     for name in (
         "results.json",
+        "results.md",
         "results.csv",
         "metrics.jsonl",
         "config.json",
@@ -47,6 +48,9 @@ def test_smoke_preset_writes_results_table_and_plot(smoke_runs):
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["steps"] == 40 and config["seed"] is None
     assert "| alpha |" in result.stdout and "mode_matching" in result.stdout
+    page = (out / "results.md").read_text()
+    assert page.startswith("# Synthetic Dirichlet study") and "at commit `" in page
+    assert "| alpha |" in page
 
 
 def test_same_seed_same_results(smoke_runs):
@@ -59,12 +63,12 @@ def test_same_seed_same_results(smoke_runs):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--heads", "softmax,nope"], "unknown head(s) ['nope']"),
-        (["--dims", "0,4"], "every d in dims must be >= 1"),
-        (["--alphas", "-0.1"], "every alpha must be > 0"),
-        (["--preset", "huge"], "invalid choice: 'huge'"),
+        (["--heads", "softmax", "nope"], "argument --heads: "),
+        (["--dims", "0", "4"], "dims must be >= 1, got (0, 4)"),
+        (["--alphas", "-0.1"], "alphas must be > 0, got (-0.1,)"),
+        (["--preset", "huge"], "argument --preset: invalid choice 'huge'"),
         (["--learning_rate", "nan"], "learning_rate must be finite, got nan"),
-        (["--alphas", "0.1,inf"], "alphas must be finite"),
+        (["--alphas", "0.1", "inf"], "alphas must be finite"),
         (["--mesh", "data=3"], "needs data x vocab = 3 devices but 1 are available"),
         (["--mesh", "vocab=8"], "xla_force_host_platform_device_count"),
     ],
@@ -75,7 +79,8 @@ def test_bad_cli_values_exit_with_message(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         synthetic.main([*args, "--out_dir", str(tmp_path / "run")])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("synthetic.py: error: ") and message in line
     assert not (tmp_path / "run" / "config.json").exists()
 
 

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from bottleneck.train.checkpoint import CheckpointStore, CheckpointWriteError, checkpoint_contents
-from bottleneck.train.experiment import RunFolderError
 from bottleneck.train.lm import LMTrainState
+from bottleneck.train.run_folder import RunFolderError
 from tests.checkpoint_fakes import fill_disk, save_old_format
 
 

@@ -1,53 +1,34 @@
-"""parse_config, config_from_jsonable, open_run / RunDir, print_table, progress."""
+"""Checked configs, parse_config (tyro) with presets, one-line usage errors, print_table, progress."""
 
-import csv
 import dataclasses
 import json
+from typing import Annotated, ClassVar, Literal, Union
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
+import tyro
 
-from bottleneck.train import (
-    RunDir,
-    RunFolderError,
-    config_from_jsonable,
-    open_run,
-    parse_config,
-    print_table,
-    progress,
-)
-from bottleneck.train.experiment import check_resumable, replace_fields, to_jsonable
+from bottleneck.train import Checked, UsageError, parse_config, print_table, progress
+from bottleneck.train.experiment import Count, Interval, Positive, one_line_errors
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Checked):
     """A config with one field of every supported kind."""
 
-    width: int = 8
-    lr: float = 0.1
+    width: Count = 8  # the width
+    lr: Positive = 0.1
     name: str = "run"
     plot: bool = True
-    experts: tuple[int, ...] = (2, 4)
+    experts: tuple[Count, ...] = (2, 4)
     scales: tuple[float, ...] = (1.0,)
-    tags: list[str] = dataclasses.field(default_factory=lambda: ["a"])
     pair: tuple[int, float] = (1, 2.0)
     limit: int | None = None
+    mode: Literal["fast", "slow"] = "fast"
     seed: int = 0
     out_dir: str = "runs/test"
 
-    def validate(self) -> None:
-        if self.width < 1:
-            raise ValueError(f"width must be >= 1, got {self.width}")
-        if any(k < 1 for k in self.experts):
-            raise ValueError(f"experts must all be >= 1, got {self.experts}")
 
-
-PRESETS = {
-    "smoke": {"width": 2, "experts": (1,)},
-    "big": Config(width=64, lr=0.5),
-}
+PRESETS = {"smoke": Config(width=2, experts=(1,)), "big": Config(width=64, lr=0.5)}
 
 
 def test_defaults_without_flags():
@@ -57,306 +38,245 @@ def test_defaults_without_flags():
 def test_preset_then_flags_override():
     config = parse_config(Config, PRESETS, ["--preset", "smoke", "--lr", "0.25"])
     assert config == Config(width=2, experts=(1,), lr=0.25, out_dir="runs/test_smoke")
-    config = parse_config(Config, PRESETS, ["--preset", "big", "--width", "3"])
-    assert config == Config(width=3, lr=0.5)
+    config = parse_config(Config, PRESETS, ["--width", "3", "--preset=big"])
+    assert config == Config(width=3, lr=0.5, out_dir="runs/test_big")
 
 
 def test_every_field_type_parses():
-    config = parse_config(
-        Config,
-        PRESETS,
-        [
-            "--width=5",
-            "--lr",
-            "1e-3",
-            "--name",
-            "a b",
-            "--no-plot",
-            "--experts",
-            "2, 4,8",
-            "--scales",
-            "0.5,2",
-            "--tags",
-            "x,y",
-            "--pair",
-            "(3, 4.5)",
-            "--limit",
-            "7",
-            "--out_dir",
-            "/tmp/somewhere",
-        ],
-    )
-    assert config == Config(
-        width=5,
-        lr=1e-3,
-        name="a b",
-        plot=False,
-        experts=(2, 4, 8),
-        scales=(0.5, 2.0),
-        tags=["x", "y"],
-        pair=(3, 4.5),
-        limit=7,
-        out_dir="/tmp/somewhere",
-    )
-    assert isinstance(config.experts, tuple) and isinstance(config.tags, list)
-    assert parse_config(Config, PRESETS, ["--limit", "none"]).limit is None
-    assert parse_config(Config, PRESETS, ["--experts", ""]).experts == ()
+    argv = [
+        "--width=5", "--lr", "1e-3", "--name", "a b", "--no_plot", "--experts", "2", "4", "8",
+        "--scales", "0.5", "2", "--pair", "3", "4.5", "--limit", "7", "--mode", "slow",
+        "--out_dir", "/tmp/somewhere",
+    ]  # fmt: skip
+    assert parse_config(Config, PRESETS, argv) == Config(
+        width=5, lr=1e-3, name="a b", plot=False, experts=(2, 4, 8), scales=(0.5, 2.0),
+        pair=(3, 4.5), limit=7, mode="slow", out_dir="/tmp/somewhere",
+    )  # fmt: skip
+    assert parse_config(Config, PRESETS, ["--limit", "None"]).limit is None
+    assert parse_config(Config, PRESETS, ["--experts"]).experts == ()
+    assert parse_config(Config, PRESETS, ["--no-plot"]).plot is False  # either spelling
     assert parse_config(Config, PRESETS, ["--preset", "big", "--plot"]).plot is True
 
 
 def test_default_preset_can_be_redefined():
-    config = parse_config(Config, {"default": {"width": 4}}, [])
-    assert config.width == 4
+    assert parse_config(Config, {"default": Config(width=4)}, []).width == 4
+
+
+def _usage_error(capsys, config_cls, presets, argv) -> str:
+    """parse_config's stderr line for ``argv``, which must be refused with status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(config_cls, presets, argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines  # one line, not tyro's box
+    assert lines[0].startswith("test_experiment.py: error: ")
+    return lines[0].removeprefix("test_experiment.py: error: ")
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--preset", "nope"], "invalid choice: 'nope'"),
-        (["--width", "abc"], "argument --width: expected int, got 'abc'"),
-        (["--experts", "2,x"], "argument --experts: expected comma-separated int values"),
-        (["--pair", "1,2,3"], "expected 2 comma-separated values"),
-        (["--unknown", "1"], "unrecognized arguments: --unknown"),
+        (["--preset", "nope"], "argument --preset: invalid choice 'nope' (choose from default, "),
+        (["--preset"], "argument --preset: expected a preset's name"),
+        (["--width", "abc"], "argument --width: invalid literal for int() with base 10: 'abc'"),
+        (["--experts", "2", "x"], "argument --experts: Could not find valid parse for arguments"),
+        (["--pair", "1", "2", "3"], "unrecognized arguments: 3"),
+        (["--unknown", "1"], "unrecognized arguments: --unknown 1"),
+        (["--mode", "medium"], "argument --mode: invalid choice 'medium' (choose from fast, slow)"),
         (["--width", "0"], "width must be >= 1, got 0"),
-        (["--experts", "2,0"], "experts must all be >= 1, got (2, 0)"),
+        (["--experts", "2", "0"], "experts must be >= 1, got (2, 0)"),
+        (["--lr", "0"], "lr must be > 0, got 0.0"),
+        (["--lr", "nan"], "lr must be finite, got nan"),
+        (["--lr", "inf"], "lr must be finite, got inf"),
+        (["--lr=-inf"], "lr must be finite, got -inf"),
+        (["--scales", "1.0", "nan"], "scales must be finite, got (1.0, nan)"),
+        (["--pair", "1", "nan"], "pair must be finite, got (1, nan)"),
     ],
 )
-def test_bad_values_exit_2_with_a_clear_message(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        parse_config(Config, PRESETS, argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err
-    assert err.startswith("usage:")
+def test_bad_flags_are_one_line_and_status_2(argv, message, capsys):
+    assert _usage_error(capsys, Config, PRESETS, argv).startswith(message)
 
 
 def test_a_named_preset_gets_its_own_default_out_dir():
-    # A mapping preset that keeps the default folder gets "<default>_<name>" (so a smoke run
-    # never replaces the default run's results); --out_dir and a preset's own folder win.
+    # A preset that keeps the default folder gets "<default>_<name>" (so a smoke run never
+    # replaces the default run's results); --out_dir and a preset's own folder win.
     assert parse_config(Config, PRESETS, ["--preset", "smoke"]).out_dir == "runs/test_smoke"
     assert parse_config(Config, PRESETS, []).out_dir == "runs/test"
     argv = ["--preset", "smoke", "--out_dir", "elsewhere"]
     assert parse_config(Config, PRESETS, argv).out_dir == "elsewhere"
-    presets = {"x-y": {"out_dir": "mine"}, "z-w": {}}
+    presets = {"x-y": Config(out_dir="mine"), "z-w": Config()}
     assert parse_config(Config, presets, ["--preset", "x-y"]).out_dir == "mine"
     assert parse_config(Config, presets, ["--preset", "z-w"]).out_dir == "runs/test_z_w"
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--lr", "nan"], "lr must be finite, got nan"),
-        (["--lr", "inf"], "lr must be finite, got inf"),
-        (["--lr=-inf"], "lr must be finite, got -inf"),
-        (["--scales", "1.0,nan"], "scales must be finite, got (1.0, nan)"),
-        (["--pair", "1,nan"], "pair must be finite, got (1, nan)"),
-    ],
-)
-def test_non_finite_floats_are_refused(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        parse_config(Config, PRESETS, argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+def test_configs_check_themselves_when_built_or_replaced():
+    with pytest.raises(ValueError, match="width must be >= 1, got 0"):
+        Config(width=0)
+    with pytest.raises(ValueError, match=r"lr must be finite, got nan"):
+        dataclasses.replace(Config(), lr=float("nan"))
+    with pytest.raises(ValueError, match="mode must be one of fast, slow, got 'medium'"):
+        dataclasses.replace(Config(), mode="medium")
+    with pytest.raises(ValueError, match=r"must be >= 1 or None, got 0"):
+        Optimizer(patience=0)
+    with pytest.raises(ValueError, match="width must be >= seed"):
+        dataclasses.replace(Nested(), seed=9)  # the config's own check, after its fields'
+    assert 0.5 in Interval("(0, 1]") and 0 not in Interval("(0, 1]") and 1 in Interval("(0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
-class Optimizer:
+class Optimizer(Checked):
     """How to step."""
 
-    lr: float = 0.1
-    name: str = dataclasses.field(default="sgd", metadata={"flag": "optimizer"})
-
-    def validate(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+    lr: Positive = 0.1
+    name: Annotated[Literal["sgd", "adam"], tyro.conf.arg(aliases=("--optimizer",))] = "sgd"
+    patience: Count | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class Model:
-    width: int = 8
+class Small(Checked):
+    """A small model."""
+
+    family: ClassVar[str] = "small"
+    width: Count = 8
     lr: float = 1.0  # a second "lr": both answer to their dotted names only
 
 
 @dataclasses.dataclass(frozen=True)
-class Nested:
-    """A config with parts."""
+class Large(Checked):
+    """A large model."""
+
+    family: ClassVar[str] = "large"
+    depth: Count = 12
+
+
+Model = Union[  # noqa: UP007
+    Annotated[Small, tyro.conf.subcommand("small")], Annotated[Large, tyro.conf.subcommand("large")]
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Nested(Checked):
+    """A config with parts, one of them chosen from a union."""
 
     optimizer: Optimizer = Optimizer()
-    model: Model = Model()
+    model: Model = Small()
     seed: int = 0
     out_dir: str = "runs/nested"
 
-    def validate(self) -> None:
-        if self.model.width < self.seed:
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.model, Small) and self.model.width < self.seed:
             raise ValueError("width must be >= seed")
 
 
-NESTED_PRESETS = {"wide": {"model.width": 64, "optimizer.name": "adam"}}
+NESTED_PRESETS = {
+    "wide": Nested(Optimizer(name="adam"), Small(width=64)),
+    "large": Nested(model=Large(depth=3), seed=2),
+}
 
 
 def test_parts_are_groups_of_dotted_flags_with_unique_short_names():
     config = parse_config(Nested, NESTED_PRESETS, ["--preset", "wide", "--optimizer.lr", "0.5"])
-    assert config == Nested(Optimizer(0.5, "adam"), Model(width=64), out_dir="runs/nested_wide")
-    # A field's short name (or its metadata "flag") works where no other field claims it.
+    assert config == Nested(Optimizer(0.5, "adam"), Small(width=64), out_dir="runs/nested_wide")
+    # A field's own name (or its alias) works where no other field claims it.
     assert parse_config(Nested, {}, ["--width", "3", "--optimizer", "adam"]) == parse_config(
         Nested, {}, ["--model.width", "3", "--optimizer.name", "adam"]
     )
     assert parse_config(Nested, {}, ["--model.lr", "2"]).model.lr == 2.0
 
 
+def test_a_union_is_a_choice_whose_fields_exist_only_when_chosen(capsys):
+    assert parse_config(Nested, None, ["model:large"]).model == Large()
+    config = parse_config(Nested, None, ["model:large", "--depth", "4", "--seed", "1"])
+    assert config == Nested(model=Large(depth=4), seed=1)
+    # A preset chooses the member; its fields are then flags without naming it.
+    config = parse_config(Nested, NESTED_PRESETS, ["--preset", "large", "--model.depth", "5"])
+    assert config.model == Large(depth=5) and config.seed == 2
+    assert parse_config(Nested, NESTED_PRESETS, ["--preset", "large", "model:small"]).model == (
+        Small()
+    )
+    message = _usage_error(capsys, Nested, NESTED_PRESETS, ["--depth", "4"])
+    assert message == "unrecognized arguments: --depth 4"  # the default model is small
+    message = _usage_error(capsys, Nested, NESTED_PRESETS, ["--seed", "9"])
+    assert message == "width must be >= seed"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--lr", "1"], "unrecognized arguments: --lr"),  # two fields are called lr
-        (["--optimizer.lr", "nan"], "optimizer.lr must be finite, got nan"),
-        (["--optimizer.lr", "0"], "lr must be > 0, got 0.0"),  # the part's validate()
-        (["--seed", "9"], "width must be >= seed"),  # the config's, after its parts'
+        (["--lr", "1"], "unrecognized arguments: --lr 1"),  # two fields are called lr
+        (["--optimizer.lr", "nan"], "lr must be finite, got nan"),
+        (["--optimizer.lr", "0"], "lr must be > 0, got 0.0"),
+        (["--optimizer", "rmsprop"], "argument --optimizer/--optimizer.name: invalid choice"),
+        (["--patience", "0"], "patience must be >= 1 or None, got 0"),
+        (["--width", "0"], "width must be >= 1, got 0"),
+        (["model:medium"], "unrecognized arguments: model:medium"),
     ],
 )
 def test_nested_values_are_checked(argv, message, capsys):
+    assert _usage_error(capsys, Nested, NESTED_PRESETS, argv).startswith(message)
+
+
+def test_help_shows_the_groups_both_spellings_and_what_each_preset_sets(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_config(Nested, NESTED_PRESETS, argv)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_help_shows_the_groups_and_what_each_preset_sets(capsys):
-    with pytest.raises(SystemExit):
-        parse_config(Nested, {**NESTED_PRESETS, "big": Nested(seed=2)}, ["--help"])
+        parse_config(Nested, NESTED_PRESETS, ["--help"])
+    assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    assert "\noptimizer:\n  How to step.\n" in text and "\nmodel:\n" in text
+    assert "A config with parts" in text and "optimizer options" in text and "How to step." in text
     assert "--width INT, --model.width INT" in text and "--model.lr FLOAT" in text
-    presets = text[text.index("presets (--preset NAME)") :].splitlines()
+    assert "--optimizer {sgd,adam}, --optimizer.name {sgd,adam}" in text
+    assert "model:small" in text and "model:large" in text
+    presets = text[text.index("Presets (--preset NAME") :].split("\n\n")[0].splitlines()
     assert presets[1:] == [
         "  default  (the defaults)",
         "  wide     --optimizer adam --width 64 --out_dir runs/nested_wide",
-        "  big      --seed 2",
+        "  large    model:large --depth 3 --seed 2 --out_dir runs/nested_large",
     ]
 
 
-def test_replace_fields_and_presets_name_fields_that_exist():
-    config = replace_fields(Nested(), {"model.width": 2, "seed": 1})
-    assert config == Nested(model=Model(width=2), seed=1)
-    with pytest.raises(TypeError, match=r"Model has no field\(s\) \['depth'\]"):
-        replace_fields(Nested(), {"model.depth": 2})
-    with pytest.raises(TypeError, match="has no field"):  # any preset, whichever is chosen
-        parse_config(Nested, {"typo": {"optimiser.lr": 1.0}}, [])
+@dataclasses.dataclass(frozen=True)
+class Required(Checked):
+    """A field without a default is required."""
+
+    run_dir: str
+    tokens: Count = 4
 
 
-def test_a_recorded_config_is_read_back_with_defaults_for_fields_it_lacks(tmp_path):
-    config = Nested(Optimizer(0.5, "adam"), Model(width=3), seed=2)
-    run = open_run(tmp_path, config)
-    recorded = json.loads((run.root / "config.json").read_text())["config"]
-    assert config_from_jsonable(Nested, recorded) == config
-    del recorded["model"]["lr"], recorded["seed"]  # a run from before those fields existed
-    assert config_from_jsonable(Nested, recorded) == Nested(Optimizer(0.5, "adam"), Model(3))
-    flat = Config(experts=(3, 5), pair=(2, 0.5))
-    assert config_from_jsonable(Config, json.loads(json.dumps(to_jsonable(flat)))) == flat
-    with pytest.raises(ValueError, match=r"Nested has no field\(s\) model.depth, tag"):
-        config_from_jsonable(Nested, {"model": {"depth": 2}, "tag": "x"})
+def test_a_field_without_a_default_is_required(capsys):
+    assert parse_config(Required, argv=["--run_dir", "x"]) == Required("x")
+    message = _usage_error(capsys, Required, None, ["--tokens", "2"])
+    assert message == "the following arguments are required: --run_dir"
+    assert "unrecognized arguments: --preset" in _usage_error(
+        capsys, Required, None, ["--run_dir", "x", "--preset", "smoke"]
+    )  # no presets, no --preset
 
 
-def test_check_resumable_compares_dotted_fields_but_those_that_may_change(tmp_path):
-    open_run(tmp_path, Nested())
-    check_resumable(tmp_path, Nested())
-    check_resumable(tmp_path, Nested(optimizer=Optimizer(lr=0.2)), may_change=["optimizer"])
-    with pytest.raises(RunFolderError, match=r"different config \(model.width: 8 -> 9\)"):
-        check_resumable(tmp_path, Nested(model=Model(width=9)), may_change=["optimizer.lr"])
-    check_resumable(tmp_path / "new", Nested(seed=5))  # no recorded run: nothing to compare
-
-
-def test_a_folder_of_another_experiment_is_refused(tmp_path, capsys):
-    run = open_run(tmp_path / "mine", Config())
-    record = json.loads((run.root / "config.json").read_text())
-    assert record["experiment"] == "test_experiment"  # the file that defines Config
-    open_run(tmp_path / "mine", Config(width=3))  # the same experiment may reuse it
-
+def test_a_folder_of_another_experiment_or_a_file_is_refused_when_parsed(tmp_path, capsys):
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"experiment": "language_model"}))
-    (other / "results.json").write_text("{}")
-    with pytest.raises(RunFolderError, match="holds a run of language_model, not of test_exp"):
-        open_run(other, Config())
-    assert json.loads((other / "config.json").read_text()) == {"experiment": "language_model"}
-    with pytest.raises(SystemExit) as exit_info:
-        parse_config(Config, PRESETS, ["--out_dir", str(other)])
-    assert exit_info.value.code == 2
-    assert "holds a run of language_model" in capsys.readouterr().err
-
-    legacy = tmp_path / "legacy"  # a config.json that names no experiment: refused too
-    legacy.mkdir()
-    (legacy / "config.json").write_text(json.dumps({"config": {}}))
-    with pytest.raises(RunFolderError, match="an unknown experiment"):
-        open_run(legacy, Config())
-
-
-def test_an_out_dir_that_is_a_file_is_one_clear_error(tmp_path, capsys):
+    message = _usage_error(capsys, Config, PRESETS, ["--out_dir", str(other)])
+    assert "holds a run of language_model, not of test_experiment" in message
     path = tmp_path / "file"
     path.write_text("x")
-    with pytest.raises(RunFolderError, match="exists and is not a folder"):
-        open_run(path, Config())
-    with pytest.raises(RunFolderError, match=f"cannot be created: {path} is not a folder"):
-        open_run(path / "sub" / "run", Config())
-    for out_dir, message in (
-        (path, "exists and is not a folder"),
-        (path / "x", "cannot be created"),
-    ):
-        with pytest.raises(SystemExit) as exit_info:
-            parse_config(Config, PRESETS, ["--out_dir", str(out_dir)])
-        assert exit_info.value.code == 2
-        assert message in capsys.readouterr().err
+    for out_dir, expected in ((path, "exists and is not a folder"), (path / "x", "cannot be")):
+        assert expected in _usage_error(capsys, Config, PRESETS, ["--out_dir", str(out_dir)])
 
 
-def test_unsupported_field_type_is_a_programming_error():
-    @dataclasses.dataclass
-    class Odd:
-        mapping: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    with pytest.raises(TypeError, match="mapping"):
-        parse_config(Odd, {}, [])
+class Diverged(RuntimeError):
+    pass
 
 
-def test_open_run_writes_config(tmp_path):
-    config = Config(width=3, seed=7)
-    run = open_run(tmp_path / "a" / "b", config)
-    assert isinstance(run, RunDir) and run.root.is_dir()
-    record = json.loads((run.root / "config.json").read_text())
-    assert record["config"]["width"] == 3
-    assert record["config"]["experts"] == [2, 4]
-    assert record["seed"] == 7
-    assert record["jax_version"] == jax.__version__
-    assert record["timestamp"] and record["command"]
-
-
-def test_log_metrics_appends_json_lines(tmp_path):
-    run = open_run(tmp_path, Config())
-    run.log_metrics({"step": 0, "loss": jnp.float32(1.5)})
-    # Readable immediately: each call flushes.
-    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
-    run.log_metrics({"step": 1, "loss": np.float64(0.5), "sv": jnp.arange(3.0)})
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert lines == [{"step": 0, "loss": 1.5}, {"step": 1, "loss": 0.5, "sv": [0.0, 1.0, 2.0]}]
-    # A new run in the same folder starts a new metrics file; resume keeps it.
-    open_run(tmp_path, Config(), resume=True)
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
-    open_run(tmp_path, Config())
-    assert not (tmp_path / "metrics.jsonl").exists()
-
-
-def test_write_json_csv_and_path(tmp_path):
-    run = open_run(tmp_path, Config())
-    path = run.write_json("sub/results.json", {"values": np.arange(2), "config": Config()})
-    assert path == tmp_path / "sub" / "results.json"
-    assert json.loads(path.read_text())["values"] == [0, 1]
-    rows = [{"layer": "dense", "k": 1}, {"layer": "moe", "k": 2, "extra": 0.5}]
-    with run.write_csv("results.csv", rows).open() as f:
-        read = list(csv.DictReader(f))
-    assert read == [
-        {"layer": "dense", "k": "1", "extra": ""},
-        {"layer": "moe", "k": "2", "extra": "0.5"},
-    ]
-    assert run.path("plots/a.png") == tmp_path / "plots" / "a.png"
-    assert (tmp_path / "plots").is_dir()
+def test_one_line_errors_end_the_script_with_the_status_given(capsys):
+    with pytest.raises(SystemExit) as exit_info, one_line_errors(Config()):
+        raise UsageError("no such corpus\n  (looked in x)")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "test_experiment.py: error: no such corpus (looked in x)\n"
+    with pytest.raises(SystemExit) as exit_info, one_line_errors(Config, {Diverged: 1}):
+        raise Diverged("the loss became nan")
+    assert exit_info.value.code == 1
+    with pytest.raises(KeyError), one_line_errors(Config):
+        raise KeyError("a bug is a traceback")
 
 
 def test_print_table(capsys):

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from bottleneck.data import TokenizedCorpus, Vocabulary, batchify
-from bottleneck.train.experiment import UsageError
+from bottleneck.train import UsageError
 from bottleneck.train.lm import LanguageModelTrainer
 from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
 from bottleneck.train.nt_asgd import KeepBest, NtAsgd, NtAsgdStatus
