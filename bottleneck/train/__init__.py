@@ -17,7 +17,13 @@ from bottleneck.train.lm_config import (
     OptimizerConfig,
     TrainingConfig,
 )
-from bottleneck.train.run_folder import RunDir, RunFolderError, UsageError, open_run
+from bottleneck.train.run_folder import (
+    RunDir,
+    RunFolderError,
+    TrainingInterrupted,
+    UsageError,
+    open_run,
+)
 from bottleneck.train.run_loop import train_and_evaluate
 from bottleneck.train.steps import Trainer, make_optimizer
 
@@ -32,6 +38,7 @@ __all__ = [
     "RunFolderError",
     "Trainer",
     "TrainingConfig",
+    "TrainingInterrupted",
     "UsageError",
     "make_optimizer",
     "open_run",

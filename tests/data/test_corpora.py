@@ -5,6 +5,7 @@ the real corpora when ``../shared/data`` exists. Downloads: ``test_download.py``
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import socket
 from pathlib import Path
@@ -292,12 +293,13 @@ def test_builder_works_directly_with_tfds_download_config(tmp_path: Path) -> Non
     assert reloaded.info.metadata["source"] == str(FIXTURES_DIR / "ptb")
 
 
-def test_preparing_prints_no_misleading_download_size(tmp_path: Path, capsys) -> None:
+def test_preparing_prints_no_misleading_download_size(tmp_path: Path, capsys, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="bottleneck")
     prepare_corpus("ptb", FIXTURES_DIR, tmp_path)
     captured = capsys.readouterr()
     assert "Unknown size" not in captured.out + captured.err
-    assert "Downloading" not in captured.out + captured.err
-    assert "Preparing Penn Treebank" in captured.err
+    assert "Downloading" not in captured.out + captured.err + caplog.text
+    assert "Preparing Penn Treebank" in caplog.text
 
 
 # --- release-file errors -------------------------------------------------------------------

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import hashlib
 import http.server
+import logging
 import shutil
 import socket
 import threading
@@ -129,8 +130,9 @@ def array_records(data_dir: Path) -> list[Path]:
 
 @pytest.mark.parametrize("spec", SPECS, ids=spec_id)
 def test_download_prepares_the_corpus_with_digests_and_token_counts(
-    spec: CorpusSpec, mirror: Mirror, tmp_path: Path, capsys
+    spec: CorpusSpec, mirror: Mirror, tmp_path: Path, capsys, caplog
 ):
+    caplog.set_level(logging.INFO, logger="bottleneck")
     corpus = load_corpus(spec.name, data_dir=tmp_path / "tfds")
     assert corpus.vocabulary.decode(corpus.test) == FIXTURE_TEST_TOKENS[spec.name].split()
     assert dict(corpus.sha256) == {name: sha256(d) for name, d in fixture_bytes(spec).items()}
@@ -140,7 +142,7 @@ def test_download_prepares_the_corpus_with_digests_and_token_counts(
     assert sorted(mirror.fetched()) == sorted(f"/{name}" for name in spec.download_names)
     assert corpus.source == ", ".join(f"{mirror.url}/{name}" for name in spec.download_names)
     err = capsys.readouterr().err
-    assert f"Downloading {spec.title} from {mirror.url}/{spec.download_names[0]}" in err
+    assert f"Downloading {spec.title} from {mirror.url}/{spec.download_names[0]}" in caplog.text
     assert "Unknown size" not in err
     assert downloaded_files(tmp_path / "tfds") == []  # read, checked, deleted
 
