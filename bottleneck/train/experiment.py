@@ -183,9 +183,14 @@ class _TqdmStderr(logging.Handler):
 
 def show_logs(level: int = logging.INFO) -> None:
     """Shows the library's log lines (``bottleneck.*`` loggers, ``level`` and above) on stderr,
-    message only: what a script calls once (:func:`parse_config` does). Idempotent."""
+    message only: what a script calls once (:func:`parse_config` does). Idempotent.
+
+    The lines stop at the ``bottleneck`` logger (no propagation to the root logger): importing
+    Orbax gives the root a handler of its own, which would print each line a second time.
+    """
     logger = logging.getLogger("bottleneck")
     logger.setLevel(level)
+    logger.propagate = False
     if not any(isinstance(handler, _TqdmStderr) for handler in logger.handlers):
         handler = _TqdmStderr()
         handler.setFormatter(logging.Formatter("%(message)s"))

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import hashlib
 import http.server
-import logging
 import shutil
 import socket
 import threading
@@ -22,6 +21,7 @@ import tensorflow_datasets as tfds
 from bottleneck.data import DATA_DIR_ENV, ChecksumError, DownloadError, Ptb, Wikitext2, load_corpus
 from bottleneck.data.corpora import PTB, SPLITS, WIKITEXT2, CorpusSpec
 from bottleneck.data.download import DATA_URL_ENV, SHA256SUMS_ENV, expected_sha256
+from bottleneck.train.experiment import show_logs
 
 FIXTURES_DIR = Path(__file__).parent / "fixtures"
 FIXTURE_TEST_TOKENS = {
@@ -130,9 +130,9 @@ def array_records(data_dir: Path) -> list[Path]:
 
 @pytest.mark.parametrize("spec", SPECS, ids=spec_id)
 def test_download_prepares_the_corpus_with_digests_and_token_counts(
-    spec: CorpusSpec, mirror: Mirror, tmp_path: Path, capsys, caplog
+    spec: CorpusSpec, mirror: Mirror, tmp_path: Path, capsys
 ):
-    caplog.set_level(logging.INFO, logger="bottleneck")
+    show_logs()  # as the scripts do
     corpus = load_corpus(spec.name, data_dir=tmp_path / "tfds")
     assert corpus.vocabulary.decode(corpus.test) == FIXTURE_TEST_TOKENS[spec.name].split()
     assert dict(corpus.sha256) == {name: sha256(d) for name, d in fixture_bytes(spec).items()}
@@ -142,7 +142,7 @@ def test_download_prepares_the_corpus_with_digests_and_token_counts(
     assert sorted(mirror.fetched()) == sorted(f"/{name}" for name in spec.download_names)
     assert corpus.source == ", ".join(f"{mirror.url}/{name}" for name in spec.download_names)
     err = capsys.readouterr().err
-    assert f"Downloading {spec.title} from {mirror.url}/{spec.download_names[0]}" in caplog.text
+    assert f"Downloading {spec.title} from {mirror.url}/{spec.download_names[0]}" in err
     assert "Unknown size" not in err
     assert downloaded_files(tmp_path / "tfds") == []  # read, checked, deleted
 
