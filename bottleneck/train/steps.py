@@ -15,9 +15,12 @@ library's convention: callers jit), so each can be tested, traced or lowered on 
   log-probabilities, and the gradient dynamic evaluation needs.
 
 :class:`Trainer` binds them to one model and optimizer and jits each where it calls it, with
-``jax.jit`` and the state donated. ``jax.jit`` over the split state rather than ``nnx.jit`` over
-the module: the state is a plain pytree, so a hot loop pays no NNX graph traversal per call and
-donation is JAX's own; the model is merged back only when asked for (:attr:`Trainer.model`).
+``jax.jit``: the training steps donate the state they replace (its buffers are reused, so a step
+holds one copy of the parameters and optimizer state); the evaluation steps read parameters that
+are evaluated window after window, so they donate nothing. ``jax.jit`` over the split state
+rather than ``nnx.jit`` over the module: the state is a plain pytree, so a hot loop pays no NNX
+graph traversal per call and donation is JAX's own; the model is merged back only when asked for
+(:attr:`Trainer.model`).
 """
 
 from __future__ import annotations
