@@ -1,6 +1,6 @@
 """A PyTorch AWD-LSTM training step, the reference of ``benchmarks/lm_step.py``.
 
-The same step as ``LanguageModelTrainer.train_step`` with the softmax head at the paper's PTB
+The same step as ``bottleneck.train.Trainer.window_step`` with the softmax head at the paper's PTB
 shapes, written the way the AWD-LSTM code does it (Merity et al.'s ``salesforce/awd-lstm-lm``):
 embedding dropout (whole words), locked dropout, 3 ``torch.nn.LSTM`` layers whose ``weight_hh``
 is DropConnect-ed once per step (passed through ``torch.func.functional_call``, so the fused

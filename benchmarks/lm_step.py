@@ -1,6 +1,6 @@
 """Seconds per AWD-LSTM training step with each output head, as ratios to softmax.
 
-One full training step of ``bottleneck.train.lm.LanguageModelTrainer`` (dropout masks, forward,
+One full training step of ``bottleneck.train.Trainer.window_step`` (dropout masks, forward,
 the head's chunked loss + AR/TAR, backward, global-norm clipping, SGD with weight decay) at the
 paper's PTB shapes: batch 20, bptt 70, vocabulary 10,000, emsize 400, nhid 1150, 3 layers,
 tied embeddings, for the heads
@@ -71,8 +71,8 @@ import bottleneck._blockwise_random as blockwise_random
 import bottleneck.nn.awd_lstm as awd_lstm
 from bottleneck.data import BpttWindow
 from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel, LSTMState
-from bottleneck.train import make_optimizer
-from bottleneck.train.lm import LanguageModelTrainer, pad_window
+from bottleneck.train import Trainer, make_optimizer
+from bottleneck.train.lm import pad_window
 
 VOCAB, BATCH, BPTT = 10_000, 20, 70
 AWD = {"emsize": 400, "nhid": 1150, "nlayers": 3, "dropout": 0.4, "dropouth": 0.25,
@@ -207,13 +207,13 @@ def step_call(name: str, window: Any) -> Callable[[], Any]:
         grad_clip_norm=0.25,
         weight_decay=1.2e-6,
     )
-    trainer = LanguageModelTrainer(AWDLSTMLanguageModel(model, alpha=2.0, beta=1.0), tx)
+    trainer = Trainer(AWDLSTMLanguageModel(model, alpha=2.0, beta=1.0), tx)
     carry = trainer.initial_carry(BATCH)
 
     def call() -> Any:
         # The metrics come out of the same compiled step as the new state: waiting on them
         # waits for the whole step. The carry is not fed back, so every step does equal work.
-        return trainer.train_step(carry, window, 1.0, averaging=False)[1]
+        return trainer.window_step(carry, window, 1.0, averaging=False)[1]
 
     return call
 
@@ -347,7 +347,7 @@ def main() -> None:
             "batch_size": BATCH,
             "bptt": BPTT,
             "repeats": repeats,
-            "step": "one LanguageModelTrainer.train_step: masks, forward, chunked head loss + "
+            "step": "one Trainer.window_step: masks, forward, chunked head loss + "
             "AR/TAR, backward, clip 0.25, SGD lr 30 + weight decay 1.2e-6",
             "ratio": "median over repetitions of step_ms / softmax step_ms (same repetition)",
             "results": results,

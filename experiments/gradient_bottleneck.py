@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -38,7 +39,6 @@ from bottleneck.data import batchify
 from bottleneck.nn.presets import HeadName
 from bottleneck.train import open_run, parse_config, print_table, progress
 from bottleneck.train.experiment import Checked, Count, one_line_errors
-from bottleneck.train.lm import pad_window, padded_length
 from bottleneck.train.run_folder import to_jsonable
 from experiments import language_model
 from experiments.consequences import gradient_ratios, validation_windows
@@ -101,7 +101,7 @@ def train_head(config: Config, head: str) -> dict[str, Any]:
         np.asarray(corpus.validation), config.positions, cell.data.bptt, "--positions"
     )
     batched = batchify(np.asarray(corpus.train), cell.data.batch_size)
-    points, losses, step, epoch = [], [], 0, 0
+    points, losses, step = [], [], 0
     start = time.perf_counter()
 
     def measure() -> None:
@@ -117,20 +117,16 @@ def train_head(config: Config, head: str) -> dict[str, Any]:
 
     measure()
     bar = progress(None, total=config.steps, desc=f"{head} (d = {config.d})")
-    carry = trainer.initial_carry(cell.data.batch_size)
-    while step < config.steps:
-        for window in cell.data.train_windows(batched, epoch, cell.seed):
-            padded = pad_window(window, padded_length(window.seq_len, cell.data.seq_len_bucket))
-            carry, metrics = trainer.train_step(carry, padded, window.lr_scale, averaging=False)
-            losses.append(metrics.nll)
-            step += 1
-            bar.update()
-            if step % config.every == 0 or step == config.steps:
-                measure()
-                bar.set_postfix(ratio=f"{points[-1]['median']:.3f}")
-            if step == config.steps:
-                break
-        epoch += 1
+    epochs = (cell.data.train_windows(batched, epoch, cell.seed) for epoch in itertools.count())
+    windows = itertools.islice(itertools.chain.from_iterable(epochs), config.steps)
+    carry = trainer.initial_carry(cell.data.batch_size)  # carried across epochs
+    for _, _, metrics in trainer.train_windows(carry, windows, bucket=cell.data.seq_len_bucket):
+        losses.append(metrics.nll)
+        step += 1
+        bar.update()
+        if step % config.every == 0 or step == config.steps:
+            measure()
+            bar.set_postfix(ratio=f"{points[-1]['median']:.3f}")
     bar.close()
     return {
         "head": head,

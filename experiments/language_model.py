@@ -74,16 +74,17 @@ from bottleneck.train import (
     DataConfig,
     EvaluationConfig,
     HeadConfig,
-    LanguageModelTrainer,
     OptimizerConfig,
+    Trainer,
     TrainingConfig,
     UsageError,
     parse_config,
+    print_table,
     train_and_evaluate,
 )
 from bottleneck.train.experiment import Checked, Count, Dropout, NonNegative, one_line_errors
 from bottleneck.train.lm import LanguageModel
-from bottleneck.train.run_loop import TrainingDiverged, open_session
+from bottleneck.train.run_loop import TrainingDiverged, open_session, written_files
 
 FIXTURES_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "fixtures"
 
@@ -407,16 +408,14 @@ def build_model(config: Config, vocab_size: int) -> LanguageModel:
     )
 
 
-def build_trainer(
-    config: Config, corpus: TokenizedCorpus, mesh: Mesh | None
-) -> LanguageModelTrainer:
+def build_trainer(config: Config, corpus: TokenizedCorpus, mesh: Mesh | None) -> Trainer:
     """The model and its optimizer, placed on ``mesh`` (call it under the mesh)."""
     model = build_model(config, len(corpus.vocabulary))
     if mesh is not None:
         model = shard_model(model, mesh)
     epochs = config.optimizer.decay_epochs or config.training.epochs
     steps = epochs * config.data.steps_per_epoch(corpus.train, config.seed)
-    return LanguageModelTrainer(
+    return Trainer(
         model,
         config.optimizer.transformation(plif=config.head.uses_plif, total_steps=steps),
         seed=config.seed,
@@ -425,7 +424,8 @@ def build_trainer(
 
 
 def run_experiment(config: Config) -> dict[str, Any]:
-    """Trains (or resumes, or finetunes) and evaluates; returns the results."""
+    """Trains (or resumes, or finetunes) and evaluates; prints the summary and returns the
+    results."""
     try:  # this process's devices: checked before the folder is touched
         mesh = mesh_from_flag(config.mesh)
         require_data_divides(config.mesh, "batch_size", config.data.batch_size)
@@ -436,8 +436,8 @@ def run_experiment(config: Config) -> dict[str, Any]:
         open_session(config.out_dir, config, may_change=config.resumable_changes) as session,
         use_mesh(mesh),
     ):
-        corpus = config.data.load(config.out_dir)
-        return train_and_evaluate(
+        corpus, root = config.data.load(config.out_dir), session.run.root
+        results = train_and_evaluate(
             build_trainer(config, corpus, mesh),
             corpus,
             session,
@@ -452,6 +452,13 @@ def run_experiment(config: Config) -> dict[str, Any]:
                 "corpus": config.data.corpus,
             },
         )
+    shown = ("model", "head", "corpus", "epochs_trained", "valid_ppl", "test_ppl")
+    summary = {key: results[key] for key in shown}
+    if "dynamic_eval" in results:
+        summary |= {f"dyn_{k}": results["dynamic_eval"][k] for k in ("valid_ppl", "test_ppl")}
+    print_table([summary], floatfmt=".2f")
+    print(f"\nwrote {root}/: {', '.join(written_files(results))}")
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -19,9 +19,9 @@ The TFDS builders (:mod:`bottleneck.data.tfds_builders`) download when no local 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -35,6 +35,8 @@ from bottleneck.data.corpora import DATA_DIR_ENV, CorpusSpec, sha256_hex
 DATA_URL_ENV = "BOTTLENECK_DATA_URL"
 SHA256SUMS_ENV = "BOTTLENECK_DATA_SHA256SUMS"
 PROBE_TIMEOUT_S = 15.0
+
+logger = logging.getLogger(__name__)
 
 
 class DownloadError(FileNotFoundError):
@@ -234,7 +236,7 @@ def download_release_files(spec: CorpusSpec, dl_manager, expected: Mapping[str, 
             failures.append(problem)
             continue
         source = ", ".join(urls.values())
-        print(f"Downloading {spec.title} from {source}", file=sys.stderr, flush=True)
+        logger.info("Downloading %s from %s", spec.title, source)
         try:
             paths = dl_manager.download(urls)
         except Exception as err:

@@ -20,8 +20,8 @@ Typical use::
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -50,6 +50,8 @@ from bottleneck.data.download import (
     download_release_files,
     expected_sha256,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _manual_download_instructions(spec: CorpusSpec) -> str:
@@ -99,7 +101,7 @@ class _LineCorpusBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True
 
     def _log_download_bytes(self) -> None:
         # TFDS prints "Downloading and preparing dataset Unknown size ...", even for local files.
-        print(f"Preparing {self.CORPUS.title} in {self.data_dir}", file=sys.stderr, flush=True)
+        logger.info("Preparing %s in %s", self.CORPUS.title, self.data_dir)
 
     def _log_download_done(self) -> None:
         pass

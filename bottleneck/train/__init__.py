@@ -1,6 +1,7 @@
 """Training and experiment plumbing shared by every experiment script.
 
-The trainers (:class:`Trainer`, :class:`LanguageModelTrainer`) and their optimizer
+The trainer (:class:`Trainer`: its :class:`TrainState` and pure steps :func:`train_step`,
+:func:`window_step`, :func:`eval_step`, :func:`log_probs_step`) and its optimizer
 (:func:`make_optimizer`); the language-model run loop (:func:`train_and_evaluate`) and the parts
 of its config (:class:`DataConfig`, :class:`HeadConfig`, :class:`OptimizerConfig`,
 :class:`TrainingConfig`, :class:`EvaluationConfig`); the scripts' command line
@@ -9,7 +10,6 @@ tables and results pages (:func:`results_page`). The rest stays in the submodule
 """
 
 from bottleneck.train.experiment import Checked, parse_config, print_table, progress
-from bottleneck.train.lm import LanguageModelTrainer
 from bottleneck.train.lm_config import (
     DataConfig,
     EvaluationConfig,
@@ -20,27 +20,39 @@ from bottleneck.train.lm_config import (
 from bottleneck.train.run_folder import (
     RunDir,
     RunFolderError,
+    TrainingInterrupted,
     UsageError,
     code_commit,
     open_run,
     results_page,
 )
 from bottleneck.train.run_loop import train_and_evaluate
-from bottleneck.train.steps import Trainer, make_optimizer
+from bottleneck.train.steps import (
+    Trainer,
+    TrainState,
+    eval_step,
+    log_probs_step,
+    make_optimizer,
+    train_step,
+    window_step,
+)
 
 __all__ = [
     "Checked",
     "DataConfig",
     "EvaluationConfig",
     "HeadConfig",
-    "LanguageModelTrainer",
     "OptimizerConfig",
     "RunDir",
     "RunFolderError",
+    "TrainState",
     "Trainer",
     "TrainingConfig",
+    "TrainingInterrupted",
     "UsageError",
     "code_commit",
+    "eval_step",
+    "log_probs_step",
     "make_optimizer",
     "open_run",
     "parse_config",
@@ -48,4 +60,6 @@ __all__ = [
     "progress",
     "results_page",
     "train_and_evaluate",
+    "train_step",
+    "window_step",
 ]

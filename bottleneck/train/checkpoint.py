@@ -43,6 +43,8 @@ import orbax.checkpoint as ocp
 
 from bottleneck.train.run_folder import RunFolderError
 
+logger = logging.getLogger(__name__)
+
 META_ITEM = "meta"
 
 # (dtype name, shape) of one stored or expected array.
@@ -442,7 +444,7 @@ class StopSignals:
     """Context manager: the first SIGINT/SIGTERM sets :attr:`signum` instead of killing.
 
     Inside the ``with`` block, poll :attr:`requested` between steps; on a request, save and
-    ``sys.exit(stop.exit_code)``. A second signal restores the previous handler and re-raises
+    raise :class:`~bottleneck.train.run_folder.TrainingInterrupted` ``(stop.exit_code)``. A second signal restores the previous handler and re-raises
     the signal (SIGINT: ``KeyboardInterrupt``), so a stuck run can still be stopped. Handlers
     can only be installed from the main thread; elsewhere this is a no-op.
     """
@@ -468,10 +470,10 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.signum = signum
-        print(
-            f"\n{signal.Signals(signum).name} received: finishing the current step, saving a "
-            "checkpoint, then exiting (send it again to stop at once)",
-            flush=True,
+        logger.warning(
+            "%s received: finishing the current step, saving a checkpoint, then exiting (send it "
+            "again to stop at once)",
+            signal.Signals(signum).name,
         )
 
     def __enter__(self) -> StopSignals:

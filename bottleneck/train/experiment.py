@@ -7,7 +7,9 @@ valid as one from the command line. :func:`parse_config` turns the dataclass int
 with `tyro <https://brentyi.github.io/tyro/>`_: a field holding another dataclass is a group of
 flags (``--optimizer.lr``), a union of dataclasses is a choice made with a subcommand
 (``model:transformer``); :func:`~bottleneck.train.run_folder.open_run` records the config and
-writes results into one output folder, :func:`print_table` prints the summary.
+writes results into one output folder, :func:`print_table` prints the summary. The library
+logs through :mod:`logging` (``bottleneck.*`` loggers); :func:`parse_config` shows those lines
+on stderr (:func:`show_logs`).
 
 Example script::
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import math
 import os
 import re
@@ -47,7 +50,7 @@ from tqdm.auto import tqdm
 from tyro import _errors as tyro_errors  # the parse-error hook: one line instead of a box
 from tyro.constructors import ConstructorRegistry, StructConstructorSpec
 
-from bottleneck.train.run_folder import UsageError, check_run_folder
+from bottleneck.train.run_folder import TrainingInterrupted, UsageError, check_run_folder
 
 ConfigT = TypeVar("ConfigT")
 T = TypeVar("T")
@@ -167,6 +170,33 @@ def _constraints(tp: Any) -> tuple[list[Interval], list[Any], bool]:
 # Config from the command line
 
 
+class _TqdmStderr(logging.Handler):
+    """Writes each record on the current ``sys.stderr`` through ``tqdm.write``, so that a line
+    logged under a progress bar does not tear it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001  (logging's own contract: never raise from emit)
+            self.handleError(record)
+
+
+def show_logs(level: int = logging.INFO) -> None:
+    """Shows the library's log lines (``bottleneck.*`` loggers, ``level`` and above) on stderr,
+    message only: what a script calls once (:func:`parse_config` does). Idempotent.
+
+    The lines stop at the ``bottleneck`` logger (no propagation to the root logger): importing
+    Orbax gives the root a handler of its own, which would print each line a second time.
+    """
+    logger = logging.getLogger("bottleneck")
+    logger.setLevel(level)
+    logger.propagate = False
+    if not any(isinstance(handler, _TqdmStderr) for handler in logger.handlers):
+        handler = _TqdmStderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+
+
 def parse_config(
     config_cls: type[ConfigT],
     presets: Mapping[str, ConfigT] | None = None,
@@ -191,7 +221,8 @@ def parse_config(
     A malformed or unknown flag, a value the config refuses (its checks run as it is built:
     :class:`Checked`), and an ``out_dir`` this experiment may not use
     (:func:`~bottleneck.train.run_folder.check_run_folder`) are usage errors: one line,
-    ``NAME.py: error: ...``, on stderr and exit status 2.
+    ``NAME.py: error: ...``, on stderr and exit status 2. The library's log lines are shown on
+    stderr from here on (:func:`show_logs`).
 
     Example:
       >>> @dataclasses.dataclass(frozen=True)
@@ -203,6 +234,7 @@ def parse_config(
       >>> parse_config(Config, presets, ["--preset", "big", "--experts", "3", "5", "--no_plot"])
       Config(width=64, experts=(3, 5), plot=False)
     """
+    show_logs()
     argv = list(sys.argv[1:] if argv is None else argv)
     with one_line_errors(config_cls):
         description = inspect.getdoc(config_cls) or ""
@@ -234,7 +266,8 @@ def one_line_errors(
 
     The line is ``NAME.py: error: MESSAGE`` on stderr, ``NAME.py`` the file that defines
     ``program`` (a config or its class); the exit status is 2 for a usage error, else the one
-    ``statuses`` gives the exception's class. Output cut short by a closed pipe ends it quietly.
+    ``statuses`` gives the exception's class. A :class:`~bottleneck.train.run_folder.TrainingInterrupted`
+    run ends quietly with its ``exit_code``, as does output cut short by a closed pipe (status 1).
     """
     statuses = {UsageError: 2, **(statuses or {})}
     try:
@@ -245,6 +278,8 @@ def one_line_errors(
         print(f"{_program(program)}: error: {message}", file=sys.stderr)
         status = next(s for cls, s in statuses.items() if isinstance(err, cls))
         raise SystemExit(status) from None
+    except TrainingInterrupted as err:  # StopSignals logged the signal; the checkpoint is saved
+        raise SystemExit(err.exit_code) from None
     except BrokenPipeError:  # stdout's reader has gone (--help | head): no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None

@@ -41,6 +41,19 @@ class RunFolderError(UsageError):
     a folder in use."""
 
 
+class TrainingInterrupted(Exception):
+    """A run stopped by SIGINT / SIGTERM once it had saved what a rerun needs to resume.
+
+    Attributes:
+      exit_code: the status the scripts exit with, ``128 + signal`` (130 for SIGINT, 143 for
+        SIGTERM: the shell's convention; :attr:`~bottleneck.train.checkpoint.StopSignals.exit_code`).
+    """
+
+    def __init__(self, exit_code: int):
+        super().__init__(f"interrupted (exit status {exit_code}): rerun the same command to resume")
+        self.exit_code = exit_code
+
+
 def to_jsonable(obj: Any) -> Any:
     """``obj`` with dataclasses, tuples, paths, NumPy/JAX arrays and scalars made JSON-friendly.
 

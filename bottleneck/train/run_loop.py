@@ -5,7 +5,7 @@
 1. resume from the folder's latest checkpoint, or start a finetune stage from another run's best
    model (``TrainingConfig.finetune_from``), or start afresh;
 2. train epoch by epoch: windows from :meth:`DataConfig.train_windows` (a function of the seed
-   and the epoch), one :meth:`LanguageModelTrainer.train_step` each; after every epoch, validate
+   and the epoch), one :meth:`~bottleneck.train.Trainer.window_step` each; after every epoch, validate
    the evaluated parameters (the iterate, or its average once the policy averages), let the
    :class:`~bottleneck.train.nt_asgd.EpochPolicy` decide (NT-ASGD switches to averaging and
    stops a finetune stage; :class:`~bottleneck.train.nt_asgd.KeepBest` only keeps the best),
@@ -14,7 +14,7 @@
 3. evaluate the best parameters: validation and test perplexity, the test log-probabilities
    (``log_probs/``) and, if asked, dynamic evaluation; write ``results.json``.
 
-The model is anything that :class:`~bottleneck.train.lm.LanguageModelTrainer` trains, that is an
+The model is anything that :class:`~bottleneck.train.Trainer` trains by windows, that is an
 ``nnx.Module`` with these methods (:class:`bottleneck.train.lm.LanguageModel`), all on batch-major
 token ids ``[B, T]`` padded after ``length`` (an int32 scalar) real steps:
 
@@ -35,7 +35,8 @@ the best parameters, the carry, and the loop's bookkeeping (epoch, window in it,
 partial sums, every epoch's record); dropout keys and window lengths are functions of (seed,
 epoch, step), so a resumed run continues as if never stopped. :func:`open_session` refuses a
 folder whose checkpointed run had another config, but for the fields it is told may change.
-On SIGINT / SIGTERM the run finishes its step, saves and exits with status 128 + signal; a
+On SIGINT / SIGTERM the run finishes its step, saves and raises :class:`TrainingInterrupted`
+(scripts exit with its status, 128 + signal); a
 training loss that turns NaN or infinite stops it with :class:`TrainingDiverged` before anything
 of the broken epoch is saved; a checkpoint that cannot be written (a full disk) stops it with
 :class:`~bottleneck.train.checkpoint.CheckpointWriteError`, the last complete checkpoint kept.
@@ -57,6 +58,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import math
 import time
 from collections.abc import Collection, Iterator, Mapping
@@ -66,30 +68,30 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from bottleneck.data import BpttWindow, Vocabulary, batchify
 from bottleneck.data.tfds_builders import TokenizedCorpus
 from bottleneck.train.checkpoint import CheckpointStore, RunLock, StopSignals
-from bottleneck.train.experiment import print_table, progress
+from bottleneck.train.experiment import progress
 from bottleneck.train.lm import (
-    LanguageModelTrainer,
     LogProbBlockWriter,
     eval_windows,
     num_eval_windows,
-    pad_window,
-    padded_length,
 )
 from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
 from bottleneck.train.nt_asgd import EpochPolicy, NtAsgdStatus
 from bottleneck.train.run_folder import (
     RunDir,
+    TrainingInterrupted,
     UsageError,
     check_resumable,
     check_run_folder,
     open_run,
     to_jsonable,
 )
+from bottleneck.train.steps import Trainer
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
@@ -175,7 +177,7 @@ class Ticker:
     def __call__(self) -> None:
         self.bar.update(1)
         if self.stop.requested:  # nothing to save: the final evaluation is redone on resume
-            raise SystemExit(self.stop.exit_code)
+            raise TrainingInterrupted(self.stop.exit_code)
 
     def __enter__(self) -> Ticker:
         return self
@@ -202,7 +204,7 @@ class LanguageModelRun:
 
     def __init__(
         self,
-        trainer: LanguageModelTrainer,
+        trainer: Trainer,
         corpus: TokenizedCorpus,
         session: Session,
         *,
@@ -282,9 +284,13 @@ class LanguageModelRun:
         with self.run.path("metrics.jsonl").open("w") as f:
             f.writelines(json.dumps(record) + "\n" for record in self.records)
         if self.finished:
-            print(f"resumed {self.run.root}: training is complete, evaluating its best model")
+            logger.info(
+                "resumed %s: training is complete, evaluating its best model", self.run.root
+            )
         else:
-            print(f"resumed {self.run.root} at epoch {self.epoch + 1}, window {self.window}")
+            logger.info(
+                "resumed %s at epoch %d, window %d", self.run.root, self.epoch + 1, self.window
+            )
         return True
 
     def start_finetune(self, source: str) -> None:
@@ -302,8 +308,10 @@ class LanguageModelRun:
         val_loss = self.trainer.evaluate(params, self.val_batched, self.data.bptt)
         self.best_params = params
         self.status = NtAsgdStatus(best_val_loss=val_loss, averaging=True)
-        print(
-            f"finetuning {source}: its best model has validation perplexity {perplexity(val_loss):.2f}"
+        logger.info(
+            "finetuning %s: its best model has validation perplexity %.2f",
+            source,
+            perplexity(val_loss),
         )
 
     # -- training ------------------------------------------------------------------------------
@@ -354,24 +362,23 @@ class LanguageModelRun:
             self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0}
             self.save()
             self.run.log_metrics(record)
-            tqdm.write(
+            logger.info(
                 f"epoch {record['epoch']:4d} | train ppl {record['train_ppl']:9.2f} | valid ppl "
                 f"{record['valid_ppl']:9.2f} | {seconds:7.1f} s | {record['tokens_per_second']:8.0f} "
                 f"tok/s{' | ASGD' if self.status.averaging else ''}"
                 f"{' (switched)' if outcome.switched else ''}"
             )
             if self.stop.requested:
-                raise SystemExit(self.stop.exit_code)
+                raise TrainingInterrupted(self.stop.exit_code)
             if self.status.finished:
-                tqdm.write(
-                    f"{stop_reason(self.records, self.status, self.training)}: training stops"
-                )
+                reason = stop_reason(self.records, self.status, self.training)
+                logger.info("%s: training stops", reason)
 
     def _windows(self) -> Iterator[BpttWindow]:
         return self.data.train_windows(self.train_batched, self.epoch, self.seed)
 
     def _train_epoch(self) -> None:
-        batch, bucket = self.data.batch_size, self.data.seq_len_bucket
+        batch = self.data.batch_size
         total = sum(1 for _ in self._windows())
         bar = progress(
             itertools.islice(self._windows(), self.window, None),
@@ -388,11 +395,10 @@ class LanguageModelRun:
                 "seconds": self.partial["seconds"] + time.perf_counter() - start,
             }
 
-        for window in bar:
-            padded = pad_window(window, padded_length(window.seq_len, bucket))
-            self.carry, metrics = self.trainer.train_step(
-                self.carry, padded, window.lr_scale, averaging=self.status.averaging
-            )
+        steps = self.trainer.train_windows(
+            self.carry, bar, bucket=self.data.seq_len_bucket, averaging=self.status.averaging
+        )
+        for self.carry, window, metrics in steps:
             nll_sum = nll_sum + metrics.nll * (window.seq_len * batch)
             tokens += window.seq_len * batch
             self.window += 1
@@ -404,7 +410,7 @@ class LanguageModelRun:
                 self._check_finite(float(nll_sum) / tokens)  # never checkpoint a diverged state
                 keep_partial()
                 self.save()
-                raise SystemExit(self.stop.exit_code)
+                raise TrainingInterrupted(self.stop.exit_code)
         self._check_finite(float(nll_sum) / max(tokens, 1))
         keep_partial()
 
@@ -517,7 +523,7 @@ class LanguageModelRun:
 
 
 def train_and_evaluate(
-    trainer: LanguageModelTrainer,
+    trainer: Trainer,
     corpus: TokenizedCorpus,
     session: Session,
     *,
@@ -534,7 +540,7 @@ def train_and_evaluate(
       trainer, corpus, session, data, training, evaluation, policy, seed: as for
         :class:`LanguageModelRun`.
       describe: what was trained (e.g. model, head, corpus): the first entries of the results
-        and of the printed summary.
+        (and of the line logged before training).
 
     Returns:
       ``results.json``'s contents: ``describe``, then the evaluation's results (perplexities,
@@ -556,26 +562,23 @@ def train_and_evaluate(
     if not lm.restore() and training.finetune_from is not None:
         lm.start_finetune(training.finetune_from)
     num_params = sum(int(np.size(x)) for x in jax.tree.leaves(trainer.state.params))
-    print(
-        f"{', '.join(f'{key} {value}' for key, value in describe.items())}: vocabulary "
-        f"{len(corpus.vocabulary)}, train {len(corpus.train)} tokens, {num_params:,} parameters"
+    logger.info(
+        "%s: vocabulary %d, train %d tokens, %s parameters",
+        ", ".join(f"{key} {value}" for key, value in describe.items()),
+        len(corpus.vocabulary),
+        len(corpus.train),
+        f"{num_params:,}",
     )
     lm.train()
     results = {**describe, **lm.evaluate()}
-    run = session.run
-    run.write_json("results.json", results)
-    run.log_metrics(
+    session.run.write_json("results.json", results)
+    session.run.log_metrics(
         {"event": "test", **{k: v for k, v in results.items() if not isinstance(v, dict)}}
     )
-    summary = {**describe, **{k: results[k] for k in ("epochs_trained", "valid_ppl", "test_ppl")}}
-    if "dynamic_eval" in results:
-        summary |= {
-            "dyn_valid_ppl": results["dynamic_eval"]["valid_ppl"],
-            "dyn_test_ppl": results["dynamic_eval"]["test_ppl"],
-        }
-    print_table([summary], floatfmt=".2f")
-    written = ["results.json", "metrics.jsonl", "config.json", VOCABULARY_FILE, "checkpoints/"]
-    if "log_probs" in results:
-        written += ["log_probs/", "log_prob_targets.npy"]
-    print(f"\nwrote {run.root}/: {', '.join(written)}")
     return results
+
+
+def written_files(results: Mapping[str, Any]) -> list[str]:
+    """What :func:`train_and_evaluate` wrote into the run folder, for the scripts to report."""
+    written = ["results.json", "metrics.jsonl", "config.json", VOCABULARY_FILE, "checkpoints/"]
+    return written + (["log_probs/", "log_prob_targets.npy"] if "log_probs" in results else [])

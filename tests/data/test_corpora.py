@@ -40,6 +40,7 @@ from bottleneck.data.tfds_builders import (
     read_prepared_tokens,
     release_sha256,
 )
+from bottleneck.train.experiment import show_logs
 
 FIXTURES_DIR = Path(__file__).parent / "fixtures"
 SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
@@ -293,6 +294,7 @@ def test_builder_works_directly_with_tfds_download_config(tmp_path: Path) -> Non
 
 
 def test_preparing_prints_no_misleading_download_size(tmp_path: Path, capsys) -> None:
+    show_logs()  # as the scripts do
     prepare_corpus("ptb", FIXTURES_DIR, tmp_path)
     captured = capsys.readouterr()
     assert "Unknown size" not in captured.out + captured.err

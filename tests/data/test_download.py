@@ -21,6 +21,7 @@ import tensorflow_datasets as tfds
 from bottleneck.data import DATA_DIR_ENV, ChecksumError, DownloadError, Ptb, Wikitext2, load_corpus
 from bottleneck.data.corpora import PTB, SPLITS, WIKITEXT2, CorpusSpec
 from bottleneck.data.download import DATA_URL_ENV, SHA256SUMS_ENV, expected_sha256
+from bottleneck.train.experiment import show_logs
 
 FIXTURES_DIR = Path(__file__).parent / "fixtures"
 FIXTURE_TEST_TOKENS = {
@@ -131,6 +132,7 @@ def array_records(data_dir: Path) -> list[Path]:
 def test_download_prepares_the_corpus_with_digests_and_token_counts(
     spec: CorpusSpec, mirror: Mirror, tmp_path: Path, capsys
 ):
+    show_logs()  # as the scripts do
     corpus = load_corpus(spec.name, data_dir=tmp_path / "tfds")
     assert corpus.vocabulary.decode(corpus.test) == FIXTURE_TEST_TOKENS[spec.name].split()
     assert dict(corpus.sha256) == {name: sha256(d) for name, d in fixture_bytes(spec).items()}

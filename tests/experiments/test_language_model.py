@@ -53,17 +53,17 @@ def _run(env, *args):
 # kill would, at a step known in advance); the run saves after that step and exits 128 + 15.
 STOPPED_AT_STEP = """
 import os, signal, sys
-from bottleneck.train.lm import LanguageModelTrainer
+from bottleneck.train import Trainer
 from experiments import language_model
 
-train_step = LanguageModelTrainer.train_step
+window_step = Trainer.window_step
 
 def stopping_step(self, *args, **kwargs):
     if int(self.state.step) == int(sys.argv[1]):
         os.kill(os.getpid(), signal.SIGTERM)
-    return train_step(self, *args, **kwargs)
+    return window_step(self, *args, **kwargs)
 
-LanguageModelTrainer.train_step = stopping_step
+Trainer.window_step = stopping_step
 language_model.main(sys.argv[2:])
 """
 
@@ -264,7 +264,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(env, tmp_
     assert [p.name for p in checkpoints.iterdir()] == [str(epoch_1["step"])]
     code, stdout, stderr = _run(env, "--preset", "smoke", "--out_dir", str(tmp_path))
     assert code == 0, stderr
-    assert "at epoch 2, window 0" in stdout
+    assert "at epoch 2, window 0" in stderr
 
 
 def test_a_diverged_run_exits_with_status_1_and_the_loops_message(tmp_path, capsys, monkeypatch):
@@ -339,7 +339,7 @@ def transformer_runs(env, tmp_path_factory):
     outputs = {name: process.communicate(timeout=300) for name, process in runs.items()}
     for name, process in runs.items():
         assert process.returncode == 0, outputs[name][1][-3000:]
-    assert "at epoch 2, window" in outputs["resumed"][0]
+    assert "at epoch 2, window" in outputs["resumed"][1]
     return root
 
 

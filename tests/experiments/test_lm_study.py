@@ -187,7 +187,7 @@ def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, awd_sm
         env, *flags, preset="awd-smoke"
     )  # the preset's 2 epochs: each cell resumes
     assert code == 0, stderr
-    assert stdout.count("resumed") == 2
+    assert stderr.count("resumed") == 2
     got, want = _cells(out), _cells(reference)
     for key, cell in got.items():
         assert cell["epochs"] == want[key]["epochs"] == 2
@@ -196,7 +196,7 @@ def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, awd_sm
 
     code, stdout, stderr = _run(env, *flags, preset="awd-smoke")  # nothing left to do
     assert code == 0, stderr
-    assert "resumed" not in stdout and "epoch 1/" not in stderr
+    assert "resumed" not in stderr and "epoch 1/" not in stderr
 
 
 def test_a_failing_cell_is_recorded_and_the_others_finish(env, tmp_path):

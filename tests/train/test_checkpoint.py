@@ -11,16 +11,16 @@ import optax
 import pytest
 from flax import nnx
 
+from bottleneck.train import TrainState
 from bottleneck.train.checkpoint import CheckpointStore, CheckpointWriteError, checkpoint_contents
-from bottleneck.train.lm import LMTrainState
 from bottleneck.train.run_folder import RunFolderError
 from tests.checkpoint_fakes import fill_disk, save_old_format
 
 
 def _train_state(seed=0):
-    """An LMTrainState of a small NNX model with Adam: every kind of node the run loop saves."""
+    """An TrainState of a small NNX model with Adam: every kind of node the run loop saves."""
     params = nnx.state(nnx.Linear(3, 2, rngs=nnx.Rngs(seed)), nnx.Param)
-    return LMTrainState(
+    return TrainState(
         params=params,
         opt_state=optax.adam(1e-3).init(params),
         average=jax.tree.map(jnp.copy, params),

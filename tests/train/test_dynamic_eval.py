@@ -8,14 +8,14 @@ from flax import nnx
 
 from bottleneck.data import batchify
 from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel
-from bottleneck.train import make_optimizer
+from bottleneck.train import Trainer, make_optimizer
 from bottleneck.train.dynamic_eval import (
     GradientStatistics,
     accumulate_squared_gradients,
     dynamic_eval_update,
     gradient_statistics,
 )
-from bottleneck.train.lm import LanguageModelTrainer, eval_windows
+from bottleneck.train.lm import eval_windows
 
 
 def test_update_matches_a_hand_computation():
@@ -65,9 +65,7 @@ def test_dynamic_evaluation_adapts_to_a_repeated_sequence():
     vocab = 20
     model = AWDLSTM(vocab, emsize=8, nhid=16, nlayers=1, dropout=0.0, dropouth=0.0,
                     dropouti=0.0, dropoute=0.0, wdrop=0.0, rngs=nnx.Rngs(0))  # fmt: skip
-    trainer = LanguageModelTrainer(
-        AWDLSTMLanguageModel(model), make_optimizer(1.0, optimizer="sgd")
-    )
+    trainer = Trainer(AWDLSTMLanguageModel(model), make_optimizer(1.0, optimizer="sgd"))
     phrase = np.random.default_rng(0).integers(0, vocab, 10).astype(np.int32)
     stream = batchify(np.tile(phrase, 12), 1)
     params = trainer.state.params

@@ -2,13 +2,22 @@
 
 import dataclasses
 import json
+import logging
+import signal
 from typing import Annotated, ClassVar, Literal, Union
 
 import pytest
 import tyro
 
-from bottleneck.train import Checked, UsageError, parse_config, print_table, progress
-from bottleneck.train.experiment import Count, Interval, Positive, one_line_errors
+from bottleneck.train import (
+    Checked,
+    TrainingInterrupted,
+    UsageError,
+    parse_config,
+    print_table,
+    progress,
+)
+from bottleneck.train.experiment import Count, Interval, Positive, one_line_errors, show_logs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +286,20 @@ def test_one_line_errors_end_the_script_with_the_status_given(capsys):
     assert exit_info.value.code == 1
     with pytest.raises(KeyError), one_line_errors(Config):
         raise KeyError("a bug is a traceback")
+
+
+def test_an_interrupted_run_ends_quietly_with_its_signals_status(capsys):
+    with pytest.raises(SystemExit) as exit_info, one_line_errors(Config()):
+        raise TrainingInterrupted(128 + signal.SIGTERM)
+    assert exit_info.value.code == 143 and capsys.readouterr().err == ""
+    assert "rerun the same command" in str(TrainingInterrupted(130))
+
+
+def test_show_logs_puts_the_librarys_lines_on_stderr_once(capsys):
+    show_logs()
+    show_logs()  # idempotent: one handler
+    logging.getLogger("bottleneck.train.run_loop").info("resumed x at epoch 2, window 0")
+    assert capsys.readouterr().err == "resumed x at epoch 2, window 0\n"
 
 
 def test_print_table(capsys):

@@ -15,8 +15,9 @@ from flax import nnx
 
 from bottleneck.data import BpttWindow
 from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel
+from bottleneck.train import Trainer
 from bottleneck.train.checkpoint import CheckpointStore, RunFolderBusy, RunLock, StopSignals
-from bottleneck.train.lm import LanguageModelTrainer, LogProbBlockWriter, pad_window, padded_length
+from bottleneck.train.lm import LogProbBlockWriter, pad_window, padded_length
 from bottleneck.train.nt_asgd import (
     NtAsgdStatus,
     end_of_epoch,
@@ -75,7 +76,7 @@ def _window(rng, length=6, batch=2, vocab=16):
 def trainer():
     model = AWDLSTM(16, emsize=4, nhid=8, nlayers=1, dropout=0.0, dropouth=0.0, dropouti=0.0,
                     dropoute=0.0, wdrop=0.0, rngs=nnx.Rngs(0))  # fmt: skip
-    return LanguageModelTrainer(AWDLSTMLanguageModel(model, alpha=2.0, beta=1.0), optax.sgd(0.5))
+    return Trainer(AWDLSTMLanguageModel(model, alpha=2.0, beta=1.0), optax.sgd(0.5))
 
 
 def test_trainer_averages_iterates_and_scales_the_step(trainer):
@@ -84,17 +85,17 @@ def test_trainer_averages_iterates_and_scales_the_step(trainer):
     carry = trainer.initial_carry(2)
     # Deterministic model (no dropout), the same window: the update scales with lr_scale.
     start = jax.tree.map(jnp.copy, trainer.state)
-    trainer.train_step(carry, window, 1.0, averaging=False)
+    trainer.window_step(carry, window, 1.0, averaging=False)
     full = jax.tree.map(lambda a, b: a - b, trainer.state.params, start.params)
     trainer.state = jax.tree.map(jnp.copy, start)
-    trainer.train_step(carry, window, 0.25, averaging=False)
+    trainer.window_step(carry, window, 0.25, averaging=False)
     quarter = jax.tree.map(lambda a, b: a - b, trainer.state.params, start.params)
     chex.assert_trees_all_close(quarter, jax.tree.map(lambda d: 0.25 * d, full), atol=1e-6)
     # From the switch on, the average is the mean of the iterates after each step.
     trainer.state = trainer.state._replace(num_averaged=jnp.zeros((), jnp.int32))
     seen = []
     for _ in range(4):
-        carry, _ = trainer.train_step(carry, pad_window(_window(rng), 8), 1.0, averaging=True)
+        carry, _ = trainer.window_step(carry, pad_window(_window(rng), 8), 1.0, averaging=True)
         seen.append(jax.tree.map(jnp.copy, trainer.state.params))
     assert int(trainer.state.num_averaged) == 4
     mean = jax.tree.map(lambda *ps: sum(ps) / len(ps), *seen)

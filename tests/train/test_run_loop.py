@@ -23,8 +23,8 @@ import pytest
 from flax import nnx
 
 from bottleneck.data import TokenizedCorpus, Vocabulary, batchify
-from bottleneck.train import UsageError
-from bottleneck.train.lm import LanguageModelTrainer
+from bottleneck.train import Trainer, TrainingInterrupted, UsageError
+from bottleneck.train.experiment import show_logs
 from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
 from bottleneck.train.nt_asgd import KeepBest, NtAsgd, NtAsgdStatus
 from bottleneck.train.run_loop import (
@@ -114,18 +114,18 @@ class Config:
     out_dir: str = ""
 
 
-def _trainer(config: Config) -> LanguageModelTrainer:
+def _trainer(config: Config) -> Trainer:
     if config.optimizer == "sgd":
         tx = optax.sgd(2.0)
     else:  # what a Transformer trains with: AdamW, linear warmup, cosine decay
         schedule = optax.warmup_cosine_decay_schedule(0.0, 0.05, 5, 60)
         tx = optax.adamw(schedule, weight_decay=0.01)
-    return LanguageModelTrainer(TableModel(stateful=config.stateful), tx, seed=config.seed)
+    return Trainer(TableModel(stateful=config.stateful), tx, seed=config.seed)
 
 
 def _run(
     config: Config,
-    trainer: LanguageModelTrainer | None = None,
+    trainer: Trainer | None = None,
     corpus: TokenizedCorpus | None = None,
 ) -> dict[str, Any]:
     finetune = config.training.finetune_from is not None
@@ -195,9 +195,10 @@ def test_epochs_write_metrics_checkpoints_and_results(reference):
 def test_a_stop_signal_saves_mid_epoch_and_the_rerun_is_the_uninterrupted_run(
     reference, tmp_path, capsys
 ):
+    show_logs()  # as the scripts do
     config = Config(out_dir=str(tmp_path))
     trainer = _trainer(config)
-    step, calls = trainer.train_step, []
+    step, calls = trainer.window_step, []
     stop_at = _num_windows(config, 0) + 2  # the second window of epoch 2
 
     def signalling_step(*args, **kwargs):
@@ -206,16 +207,16 @@ def test_a_stop_signal_saves_mid_epoch_and_the_rerun_is_the_uninterrupted_run(
             os.kill(os.getpid(), signal.SIGTERM)
         return step(*args, **kwargs)
 
-    trainer.train_step = signalling_step
-    with pytest.raises(SystemExit) as exit_info:
+    trainer.window_step = signalling_step
+    with pytest.raises(TrainingInterrupted) as interrupted:
         _run(config, trainer)
-    assert exit_info.value.code == 128 + signal.SIGTERM
-    assert "SIGTERM received" in capsys.readouterr().out
+    assert interrupted.value.exit_code == 128 + signal.SIGTERM
+    assert "SIGTERM received" in capsys.readouterr().err
     assert [m["epoch"] for m in _epochs(tmp_path)] == [1]
     assert not (tmp_path / "results.json").exists()
 
     results = _run(config)
-    assert "at epoch 2, window 2" in capsys.readouterr().out
+    assert "at epoch 2, window 2" in capsys.readouterr().err
     got, want = _epochs(tmp_path), _epochs(reference[0])
     # Windows, noise keys and the carry depend on (seed, epoch, step) and the checkpoint only.
     for key in ("train_loss", "valid_loss", "best_valid_ppl", "step", "averaged"):
@@ -226,7 +227,7 @@ def test_a_stop_signal_saves_mid_epoch_and_the_rerun_is_the_uninterrupted_run(
 def test_a_diverged_run_stops_before_saving_and_its_last_checkpoint_resumes(tmp_path):
     config = Config(out_dir=str(tmp_path), training=TrainingConfig(epochs=2))
     trainer = _trainer(config)
-    step, calls = trainer.train_step, []
+    step, calls = trainer.window_step, []
     first_epoch = _num_windows(config, 0)
 
     def nan_in_epoch_2(*args, **kwargs):  # as a too large learning rate would make it
@@ -236,7 +237,7 @@ def test_a_diverged_run_stops_before_saving_and_its_last_checkpoint_resumes(tmp_
             nll=metrics.nll * (np.nan if len(calls) > first_epoch else 1)
         )
 
-    trainer.train_step = nan_in_epoch_2
+    trainer.window_step = nan_in_epoch_2
     with pytest.raises(TrainingDiverged, match="became nan in epoch 2") as error:
         _run(config, trainer)
     assert "the checkpoint of epoch 1 is kept" in str(error.value)
@@ -274,7 +275,7 @@ def test_a_stateless_model_with_adamw_and_a_schedule_keeps_the_best_and_stops_ea
     # A learning rate of 0 never improves: patience 1 stops after the second epoch.
     frozen = tmp_path / "frozen"
     frozen_config = dataclasses.replace(config, out_dir=str(frozen), evaluation=EVALUATION)
-    trainer = LanguageModelTrainer(TableModel(stateful=False), optax.sgd(0.0))
+    trainer = Trainer(TableModel(stateful=False), optax.sgd(0.0))
     results = _run(frozen_config, trainer)
     assert [m["epoch"] for m in _epochs(frozen)] == [1, 2]
     assert _epochs(frozen)[-1].get("early_stop")
