@@ -40,7 +40,9 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
         ["--run_dirs", str(runs["softmax"]), str(runs["mos"]), "--tokens", "6", "--out", str(out)]
     )
     assert json.loads(out.read_text()) == rows
-    table = (tmp_path / "c.md").read_text().splitlines()
+    page = (tmp_path / "c.md").read_text().splitlines()
+    assert page[0].startswith("# Beyond rank") and page[2].startswith("Written by `python ")
+    table = page[4:]
     assert len(table) == 2 + len(rows) and table[0].split("|")[1].strip() == "head"
     softmax, mos = rows
     assert softmax["unargmaxable_seconds"] > 0

@@ -33,7 +33,10 @@ def test_curves_are_ratios_and_a_rerun_resumes_finished_heads(tmp_path, monkeypa
         assert curve["points"][0]["train_loss"] is None
         assert all(np.isfinite(p["train_loss"]) for p in curve["points"][1:])
     assert (out / "gradient_bottleneck.png").stat().st_size > 0
-    table = (out / "gradient_bottleneck.md").read_text().splitlines()
+    page = (out / "gradient_bottleneck.md").read_text().splitlines()
+    assert page[0] == "# Share of the loss gradient passed back to the trunk, d = 4"
+    assert page[2].startswith("Written by `python ") and " at commit `" in page[2]
+    table = page[4:]
     assert len(table) == 4 and table[2].split("|")[1].strip() == "softmax"
 
     def no_training(config, head):
