@@ -69,7 +69,7 @@ def test_readme_beyond_rank_counts_are_the_committed_results():
     text = " ".join(README.read_text().split())
     assert f"softmax leaves {rows['softmax']['unargmaxable']:,} of PTB's words" in text
     assert rows["softmax"]["hidden_size_estimate"] == rows["softmax"]["d"] == 16
-    assert all(rows[h]["hidden_size_estimate"] > 16 for h in ("sigsoftmax", "plif"))
+    assert all(rows[h]["hidden_size_estimate"] > 16 for h in ("sigsoftmax", "plif", "mos"))
 
 
 def test_committed_synthetic_results_are_what_the_code_computes(tmp_path):
