@@ -429,11 +429,13 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
     return table
 
 
-def title(config: Config) -> str:
+def title(config: Config, rows: list[dict[str, Any]]) -> str:
+    """The results page's title, ending in "partial" while cells are pending."""
     trunk = config.trunk
+    partial = " — partial" if any(r["status"] == "pending" for r in rows) else ""
     return (
         f"LM study: {trunk.model.family} on {trunk.data.corpus} "
-        f"({trunk.data.vocab_size or 'all'} words), heads x d x seeds {list(config.seeds)}"
+        f"({trunk.data.vocab_size or 'all'} words), heads x d x seeds {list(config.seeds)}{partial}"
     )
 
 
@@ -464,7 +466,6 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         )
     pending = [r for r in rows if r["status"] == "pending"]
     if pending:
-        lines[0] += " — partial"
         lines += [
             "",
             f"**Partial**: {len(rows) - len(pending)} of {len(rows)} cells done; pending: "
@@ -510,6 +511,11 @@ def plot_curves(curves: dict[tuple[str, int, int], list], config: Config, path: 
     )
     colors = {head: f"C{i}" for i, head in enumerate(config.heads)}
     for ax, d in zip(axes[0], config.ds, strict=True):
+        ax.set_title(f"d = {d}")
+        if not any(cd == d and curve for (_, cd, _), curve in curves.items()):
+            ax.text(0.5, 0.5, "no cell finished yet", ha="center", va="center")
+            ax.set_axis_off()
+            continue
         for (head, cd, seed), curve in curves.items():
             if cd != d or not curve:
                 continue
@@ -521,7 +527,6 @@ def plot_curves(curves: dict[tuple[str, int, int], list], config: Config, path: 
                 marker=".",
                 label=head if seed == config.seeds[0] else None,
             )
-        ax.set_title(f"d = {d}")
         ax.set_xlabel("epoch")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -615,7 +620,7 @@ def run_study(config: Config) -> dict[str, Any]:
         text += "".join(
             f"| {r['head']} | {r['numerical_rank']} | {r['effective_rank']} |\n" for r in ranks
         )
-    run.write_page("study.md", title(config), text)
+    run.write_page("study.md", title(config, rows), text)
     plot_vs_d(table, config, run.path("test_ppl_vs_d.png"))
     plot_curves(curves, config, run.path("learning_curves.png"))
     print_table(

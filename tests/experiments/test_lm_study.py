@@ -242,7 +242,7 @@ def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke,
     assert code == 0, stderr
     assert "epoch 1/" not in stderr and not (out / "cells").exists()
     text = (out / "study.md").read_text()
-    assert "partial" in text and "pending: sigsoftmax-d4-s1." in text
+    assert text.splitlines()[0].endswith(" — partial") and "pending: sigsoftmax-d4-s1." in text
     assert "| 4 | mos |" in text and "| 4 | sigsoftmax |" not in text
     assert {c["status"] for c in json.loads((out / "study.json").read_text())["cells"]} == {
         "done",
