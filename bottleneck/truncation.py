@@ -71,7 +71,7 @@ def bat_keep_mask(log_probs: Any, W: Any, *, tau: float, tokens: Any = None) -> 
     discards more).
 
     Cost: a program has ``M`` variables and ``d + 1`` equality rows; at ``M = 10,000``,
-    ``d = 128`` a hard one takes tens of seconds (see the README), so decide the few tokens you
+    ``d = 128`` a hard one took about 35 s on 2 CPU cores (docs/guides/generation.md), so decide the few tokens you
     need (``tokens``), as :func:`bottleneck.generate` does, rather than the whole vocabulary.
 
     Example (``W = 0``: the threshold rule):

@@ -1,6 +1,6 @@
 """The gradient bottleneck during training: how much of each head's loss gradient reaches the trunk.
 
-    python experiments/gradient_bottleneck.py --data_dir ../shared/data/ptb [--d 16] [--steps 500]
+    python experiments/gradient_bottleneck.py --data_dir DIR [--d 16] [--steps 500]
 
 Godey & Artzi (2026): a head with input ``h`` in R^d passes back to the trunk only the part of
 the gradient at its output that lies in the column space of its Jacobian, ``||P_J g|| / ||g||``

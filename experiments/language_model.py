@@ -266,7 +266,8 @@ _SMOKE_EVALUATION = EvaluationConfig(
 # 10-40 times as fast as the rest here.
 _ADAMW = OptimizerConfig("adamw", clip=1.0, weight_decay=0.1, plif_lr=None)
 # Identity-initialised linear facets: tanh latents saturate behind a pre-norm trunk and cap a
-# mixture's logit spread (MoS 117 +- 34 against softmax's 57 with tanh; README).
+# mixture's logit spread (MoS 117 +- 34 against softmax's 57 with tanh;
+# docs/guides/language_models.md).
 _LINEAR = HeadConfig(latent="linear")
 # The 2-core CPU's Transformer: width 128, 4 heads, batch 32 x bptt 64 (its depth per preset).
 _CPU_TRANSFORMER = TransformerConfig(
@@ -339,7 +340,7 @@ PRESETS: dict[str, Config] = {
     # slower, loaded machine): 2,600 tokens/s with PTB's 2,000 most frequent words (as
     # experiments/lm_study.py) against 1,500 with all 10,000, whose head is then half the step; so
     # 2,000 words and two epochs: 11-15 minutes per head there, under 4 on an idle Zen 5
-    # (softmax, sigsoftmax, PLIF, MoS, three seeds; README.md).
+    # (softmax, sigsoftmax, PLIF, MoS, three seeds; docs/guides/language_models.md).
     "transformer-cpu": Config(
         model=replace(_CPU_TRANSFORMER, num_layers=4),
         data=replace(_CPU_DATA, vocab_size=2000),

@@ -8,9 +8,9 @@
 #
 # COMMIT: the code to run; WORK_DIR: where the pinned worktree and the cells' run folders go
 # (outside the checkout); RESULTS_CSV: a path inside the checkout, committed after each cell.
-# Example (PTB in ../shared/data/ptb):
+# Example (PTB's files in DIR):
 #   nohup experiments/lm_study_grid.sh HEAD /work/grid docs/results/ptb-transformer.csv \
-#       --data_dir ../shared/data/ptb --heads softmax sigsoftmax plif > /work/grid/log 2>&1 &
+#       --data_dir DIR --heads softmax sigsoftmax plif > /work/grid/log 2>&1 &
 set -euo pipefail
 checkout="$(cd "$(dirname "$0")/.." && pwd)"
 commit="$(git -C "$checkout" rev-parse --short=12 "$1")"

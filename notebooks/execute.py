@@ -1,4 +1,4 @@
-"""Re-execute ``notebooks/tour.ipynb`` in place and refresh the figure the README shows.
+"""Re-execute ``notebooks/tour.ipynb`` in place and refresh its figure, docs/tour_plif.png.
 
     python notebooks/execute.py
 

@@ -126,7 +126,7 @@ def test_saved_notebook_was_executed_in_order(committed, executed):
 
 
 def test_readme_figure_is_the_saved_notebooks(committed):
-    """docs/tour_plif.png, which the README shows, is the PNG saved in the notebook."""
+    """docs/tour_plif.png, which the documentation's front page shows, is the PNG saved in the notebook."""
     for tag, target in notebook_execute.EXPORTS.items():
         assert target.read_bytes() == notebook_execute.tagged_png(committed, tag), (
             f"{target.relative_to(ROOT)} is not the notebook's; run `python notebooks/execute.py`"
