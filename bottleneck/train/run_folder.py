@@ -183,20 +183,23 @@ def code_commit() -> str:
     """The commit of the checkout this library runs from, ``-dirty`` if its code differs from it.
 
     Only ``bottleneck/``, ``experiments/`` and ``benchmarks/`` count (a results file written
-    into the checkout does not make it dirty); ``"unknown"`` outside a git checkout.
+    into the checkout does not make it dirty); ``"unknown"`` when the library is not the top of
+    a git checkout (an installed copy, even one inside another project's repository).
     """
     root = Path(__file__).resolve().parents[2]
     try:
-        sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
+        toplevel, sha = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"],
             capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
+        ).stdout.split()  # fmt: skip
+        if Path(toplevel).resolve() != root:
+            return "unknown"
         dirty = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain", "--",
              "bottleneck", "experiments", "benchmarks"],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, ValueError, subprocess.CalledProcessError):
         return "unknown"
     return sha[:12] + ("-dirty" if dirty else "")
 

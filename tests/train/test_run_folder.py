@@ -2,8 +2,11 @@
 
 import csv
 import json
+import os
 import pathlib
+import shutil
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +165,24 @@ def test_code_commit_is_the_checkouts_head_or_unknown():
         assert code_commit() == "unknown"
         return
     assert code_commit().removesuffix("-dirty") == head[:12]
+
+
+def test_code_commit_of_a_copy_inside_another_repository_is_unknown(tmp_path):
+    # An installed copy (site-packages) may sit inside some other project's checkout: that
+    # project's commit would be a plausible, wrong record of this code.
+    other = tmp_path / "other_project"
+    package = pathlib.Path(__file__).resolve().parents[2] / "bottleneck"
+    shutil.copytree(package, other / "site-packages" / "bottleneck")
+    subprocess.run(["git", "init", "-q", str(other)], check=True)
+    subprocess.run(
+        ["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@t",
+         "commit", "-q", "--allow-empty", "-m", "x"],
+        check=True,
+    )  # fmt: skip
+    code = "import bottleneck.train.run_folder as r; print(r.code_commit())"
+    printed = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(other / "site-packages")},
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert printed[-1] == "unknown"
