@@ -107,9 +107,12 @@ def write_results(path: str | Path, payload: Mapping[str, Any], markdown: str) -
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**payload, "commit": code_commit()}, indent=2) + "\n")
+    commit = code_commit()
+    path.write_text(json.dumps({**payload, "commit": commit}, indent=2) + "\n")
     first, _, rest = markdown.partition("\n")
     title, body = (
-        (first[2:], rest) if first.startswith("# ") else (f"Benchmark {path.stem}", markdown)
+        (first[2:], rest)
+        if first.startswith("# ")
+        else (f"Benchmark results: `benchmarks/results/{path.with_suffix('.md').name}`", markdown)
     )
-    path.with_suffix(".md").write_text(results_page(title, body))
+    path.with_suffix(".md").write_text(results_page(title, body, commit=commit))
