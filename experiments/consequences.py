@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 import bottleneck as bn
-from bottleneck.train import UsageError, parse_config, print_table
+from bottleneck.train import UsageError, markdown_table, parse_config
 from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.run_folder import results_page
 from experiments.generate import load_run
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rows = [measure_run(run_dir, config.tokens) for run_dir in config.run_dirs]
     out = Path(config.out or Path(config.run_dirs[0]) / "consequences.json")
     out.write_text(json.dumps(rows, indent=1) + "\n")
-    table = print_table(rows, TABLE_COLUMNS, floatfmt=".3g")
+    table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")
+    print(table)
     out.with_suffix(".md").write_text(results_page(PAGE_TITLE, table))
     print(f"wrote {out} and {out.with_suffix('.md').name}")
     return rows

@@ -37,7 +37,7 @@ from flax import nnx
 
 from bottleneck.data import batchify
 from bottleneck.nn.presets import HeadName
-from bottleneck.train import open_run, parse_config, print_table, progress
+from bottleneck.train import markdown_table, open_run, parse_config, progress
 from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.run_folder import to_jsonable
 from experiments import language_model
@@ -182,10 +182,12 @@ def run(config: Config) -> list[dict[str, Any]]:
     ]  # fmt: skip
     run_dir.write_json("gradient_bottleneck.json", {"summary": summary, "curves": curves})
     plot(curves, run_dir.path("gradient_bottleneck.png"), config.d)
+    table = markdown_table(summary, floatfmt=".4g")
+    print(table)
     run_dir.write_page(
         "gradient_bottleneck.md",
         f"Share of the loss gradient passed back to the trunk, d = {config.d}",
-        print_table(summary, floatfmt=".4g"),
+        table,
     )
     print(f"wrote {run_dir.root}/gradient_bottleneck.json, .md and .png")
     return summary

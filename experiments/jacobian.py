@@ -39,7 +39,7 @@ from flax import nnx
 
 import bottleneck as bn
 from bottleneck.nn.moe import DenseMoE
-from bottleneck.train import RunDir, open_run, parse_config, print_table, progress
+from bottleneck.train import RunDir, markdown_table, open_run, parse_config, progress
 from bottleneck.train.experiment import Checked, Count
 
 
@@ -238,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"near_zero_count: mean singular values < {NEAR_ZERO_RELATIVE:g} x Dense's largest "
         f"= {threshold:.3g}, out of {config.width}\n"
     )
-    print_table(rows)
+    print(markdown_table(rows))
     print(f"\nwrote config.json, results.json, results.csv, singular_values.png to {out.root}")
 
 

@@ -78,8 +78,8 @@ from bottleneck.train import (
     Trainer,
     TrainingConfig,
     UsageError,
+    markdown_table,
     parse_config,
-    print_table,
     train_and_evaluate,
 )
 from bottleneck.train.experiment import Checked, Count, Dropout, NonNegative, one_line_errors
@@ -457,7 +457,7 @@ def run_experiment(config: Config) -> dict[str, Any]:
     summary = {key: results[key] for key in shown}
     if "dynamic_eval" in results:
         summary |= {f"dyn_{k}": results["dynamic_eval"][k] for k in ("valid_ppl", "test_ppl")}
-    print_table([summary], floatfmt=".2f")
+    print(markdown_table([summary], floatfmt=".2f"))
     print(f"\nwrote {root}/: {', '.join(written_files(results))}")
     return results
 

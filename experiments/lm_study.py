@@ -79,9 +79,9 @@ from bottleneck.train import (
     RunFolderError,
     TrainingConfig,
     UsageError,
+    markdown_table,
     open_run,
     parse_config,
-    print_table,
 )
 from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.run_folder import check_resumable, code_commit, to_jsonable
@@ -451,19 +451,8 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         "the budget ended; 'converged' those stopped early or whose last three epochs improved "
         f"validation by less than {100 * CONVERGED_IMPROVEMENT:g}% in all.",
         "",
-        "| d | head | test ppl | gain (ppl) | gain (%) | valid ppl | epochs | stopped early "
-        "| converged | s/epoch | params |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        markdown_table([_table_row(e) for e in table]),
     ]
-    for e in table:
-        std = f" ± {e['test_std']:.1f}" if e["test_std"] is not None else ""
-        gain = f"{e['gain_ppl']:+.1f}" if "gain_ppl" in e else "—"
-        pct = f"{e['gain_pct']:+.1f}" if "gain_pct" in e else "—"
-        lines.append(
-            f"| {e['d']} | {e['head']} | {e['test_ppl']:.1f}{std} | {gain} | {pct} | "
-            f"{e['valid_ppl']:.1f} | {e['epochs']:.1f} | {e['early_stopped']}/{e['seeds']} | "
-            f"{e['converged']}/{e['seeds']} | {e['s_per_epoch']:.0f} | {e['params']:,} |"
-        )
     pending = [r for r in rows if r["status"] == "pending"]
     if pending:
         lines += [
@@ -477,6 +466,23 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         lines += ["", "Failed cells (rerun the command to retry them):", ""]
         lines += [f"- {cell_name(r['head'], r['d'], r['seed'])}: {r['error']}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def _table_row(e: dict[str, Any]) -> dict[str, Any]:
+    std = f" ± {e['test_std']:.1f}" if e["test_std"] is not None else ""
+    return {
+        "d": e["d"],
+        "head": e["head"],
+        "test ppl": f"{e['test_ppl']:.1f}{std}",
+        "gain (ppl)": f"{e['gain_ppl']:+.1f}" if "gain_ppl" in e else "—",
+        "gain (%)": f"{e['gain_pct']:+.1f}" if "gain_pct" in e else "—",
+        "valid ppl": round(e["valid_ppl"], 1),
+        "epochs": round(e["epochs"], 1),
+        "stopped early": f"{e['early_stopped']}/{e['seeds']}",
+        "converged": f"{e['converged']}/{e['seeds']}",
+        "s/epoch": round(e["s_per_epoch"]),
+        "params": f"{e['params']:,}",
+    }
 
 
 def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
@@ -614,19 +620,24 @@ def run_study(config: Config) -> dict[str, Any]:
         text += (
             f"\nRank of the test log-probability matrix at d = {config.rank_d} "
             f"({ranks[0]['rows_analysed']} tokens x {ranks[0]['columns_analysed']} words; d + 2 = "
-            f"{config.rank_d + 2}):\n\n| head | numerical rank | effective rank (99%) |\n"
-            "|---|--:|--:|\n"
-        )
-        text += "".join(
-            f"| {r['head']} | {r['numerical_rank']} | {r['effective_rank']} |\n" for r in ranks
+            f"{config.rank_d + 2}):\n\n"
+            + markdown_table(
+                [
+                    {
+                        "head": r["head"],
+                        "numerical rank": r["numerical_rank"],
+                        "effective rank (99%)": r["effective_rank"],
+                    }
+                    for r in ranks
+                ]
+            )
+            + "\n"
         )
     run.write_page("study.md", title(config, rows), text)
     plot_vs_d(table, config, run.path("test_ppl_vs_d.png"))
     plot_curves(curves, config, run.path("learning_curves.png"))
-    print_table(
-        [{k: e.get(k) for k in ("d", "head", "test_ppl", "test_std", "gain_pct")} for e in table],
-        floatfmt=".2f",
-    )
+    columns = ("d", "head", "test_ppl", "test_std", "gain_pct")
+    print(markdown_table([{k: e.get(k) for k in columns} for e in table], floatfmt=".2f"))
     failed = sum(r["status"] == "failed" for r in rows)
     print(
         f"\nwrote {root}/: study.json, study.csv, study.md, test_ppl_vs_d.png, "

@@ -66,7 +66,7 @@ from bottleneck import nn
 from bottleneck import spectrum_streaming as ss
 from bottleneck.nn import HEAD_NAMES, make_head
 from bottleneck.nn.presets import HeadName
-from bottleneck.train import RunDir, UsageError, open_run, parse_config, print_table, progress
+from bottleneck.train import RunDir, UsageError, markdown_table, open_run, parse_config, progress
 from bottleneck.train.experiment import (
     Checked,
     Count,
@@ -390,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         columns = None
         files = "results.json, spectrum.csv, spectrum.png"
     seconds = time.perf_counter() - start
-    print_table(rows, columns)
+    print(markdown_table(rows, columns))
     print(f"\n{config.mode} mode, {seconds:.1f} s; wrote config.json, {files} to {run.root}")
     return rows
 

@@ -44,9 +44,9 @@ from bottleneck.train import (
     Trainer,
     UsageError,
     make_optimizer,
+    markdown_table,
     open_run,
     parse_config,
-    print_table,
     progress,
 )
 from bottleneck.train.experiment import Checked, Count, Interval, Positive, one_line_errors
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run.write_csv("results.csv", rows)
     summary = summarize(rows)
     run.write_json("results.json", {"runs": rows, "summary": summary})
-    table = print_table(summary, TABLE_COLUMNS, floatfmt=".4g")
+    table = markdown_table(summary, TABLE_COLUMNS, floatfmt=".4g")
+    print(table)
     run.write_page("results.md", "Synthetic Dirichlet study (Ganea et al. 2019)", PAGE_TEXT + table)
     paths = plot(summary, run, config.heads)
     print(

@@ -9,7 +9,7 @@ of its config (:class:`DataConfig`, :class:`HeadConfig`, :class:`OptimizerConfig
 tables and results pages (:func:`results_page`). The rest stays in the submodules.
 """
 
-from bottleneck.train.experiment import Checked, parse_config, print_table, progress
+from bottleneck.train.experiment import Checked, markdown_table, parse_config, progress
 from bottleneck.train.lm_config import (
     DataConfig,
     EvaluationConfig,
@@ -54,9 +54,9 @@ __all__ = [
     "eval_step",
     "log_probs_step",
     "make_optimizer",
+    "markdown_table",
     "open_run",
     "parse_config",
-    "print_table",
     "progress",
     "results_page",
     "train_and_evaluate",

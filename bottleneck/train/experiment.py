@@ -7,7 +7,7 @@ valid as one from the command line. :func:`parse_config` turns the dataclass int
 with `tyro <https://brentyi.github.io/tyro/>`_: a field holding another dataclass is a group of
 flags (``--optimizer.lr``), a union of dataclasses is a choice made with a subcommand
 (``model:transformer``); :func:`~bottleneck.train.run_folder.open_run` records the config and
-writes results into one output folder, :func:`print_table` prints the summary. The library
+writes results into one output folder, :func:`markdown_table` formats the summary. The library
 logs through :mod:`logging` (``bottleneck.*`` loggers); :func:`parse_config` shows those lines
 on stderr (:func:`show_logs`).
 
@@ -33,6 +33,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import numbers
 import os
 import re
 import shlex
@@ -46,6 +47,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 
 import numpy as np
 import tyro
+from tabulate import tabulate
 from tqdm.auto import tqdm
 from tyro import _errors as tyro_errors  # the parse-error hook: one line instead of a box
 from tyro.constructors import ConstructorRegistry, StructConstructorSpec
@@ -436,68 +438,48 @@ def _flags_between(base: Any, config: Any, unique: set[str], prefix: str = "") -
 
 
 # ----------------------------------------------------------------------------------------------
-# Printing
+# Tables and progress
 
 
-def print_table(
-    rows: Sequence[Mapping[str, Any]],
-    columns: Sequence[str] | None = None,
-    floatfmt: str = ".4g",
-    *,
-    file: Any = None,
+def markdown_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, floatfmt: str = ".4g"
 ) -> str:
-    """Print ``rows`` as a fixed-width Markdown table and return it.
+    """``rows`` as a Markdown (pipe) table, through `tabulate <https://pypi.org/project/tabulate/>`_.
 
-    Numbers are right-aligned, floats formatted with ``floatfmt``, missing cells left empty.
+    A column whose every value is a number (not a bool) is right-aligned and its floats formatted
+    with ``floatfmt``; any other column is text, left-aligned and printed as it is (a string such
+    as ``"007"`` stays ``007``). Missing cells are empty.
 
     Args:
       rows: one mapping per row.
       columns: the columns to show, in order; default: every key, in first-seen order.
       floatfmt: format spec for floats (``format(value, floatfmt)``).
-      file: where to print (default ``sys.stdout``).
-
-    Returns:
-      The table, without a trailing newline.
 
     Example:
-      >>> _ = print_table([{"layer": "dense", "zeros": 61}, {"layer": "moe", "zeros": 0.5}])
-      | layer | zeros |
-      |:------|------:|
-      | dense |    61 |
-      | moe   |   0.5 |
+      >>> print(markdown_table([{"layer": "dense", "zeros": 61}, {"layer": "moe", "zeros": 0.5}]))
+      | layer   |   zeros |
+      |:--------|--------:|
+      | dense   |      61 |
+      | moe     |     0.5 |
     """
-    if columns is None:
-        columns = list(dict.fromkeys(key for row in rows for key in row))
-    cells = [[_format_cell(row.get(c, ""), floatfmt) for c in columns] for row in rows]
-    numeric = [
-        all(isinstance(row.get(c), (int, float, np.number)) for row in rows if c in row)
-        and any(c in row for row in rows)
-        for c in columns
+    columns = list(columns or dict.fromkeys(key for row in rows for key in row))
+    text_columns = [
+        i for i, c in enumerate(columns) if not all(_is_number(row[c]) for row in rows if c in row)
     ]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-
-    def line(values: Sequence[str]) -> str:
-        padded = [
-            v.rjust(w) if right else v.ljust(w)
-            for v, w, right in zip(values, widths, numeric, strict=True)
-        ]
-        return "| " + " | ".join(padded) + " |"
-
-    rule = "|" + "|".join(
-        ":" + "-" * (w + 1) if not right else "-" * (w + 1) + ":"
-        for w, right in zip(widths, numeric, strict=True)
+    return tabulate(
+        [[row.get(c) for c in columns] for row in rows],
+        headers=columns,
+        tablefmt="pipe",
+        floatfmt=floatfmt,
+        numalign="right",
+        stralign="left",
+        missingval="",
+        disable_numparse=text_columns or False,
     )
-    table = "\n".join([line(columns), rule + "|", *(line(r) for r in cells)])
-    print(table, file=file or sys.stdout)
-    return table
 
 
-def _format_cell(value: Any, floatfmt: str) -> str:
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, (float, np.floating)):
-        return "nan" if math.isnan(value) else format(float(value), floatfmt)
-    return str(value)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def progress(iterable: Iterable[T], total: int | None = None, desc: str | None = None) -> tqdm:

@@ -1,4 +1,4 @@
-"""Checked configs, parse_config (tyro) with presets, one-line usage errors, print_table, progress."""
+"""Checked configs, parse_config (tyro) with presets, one-line usage errors, markdown_table, progress."""
 
 import dataclasses
 import json
@@ -6,6 +6,7 @@ import logging
 import signal
 from typing import Annotated, ClassVar, Literal, Union
 
+import numpy as np
 import pytest
 import tyro
 
@@ -13,8 +14,8 @@ from bottleneck.train import (
     Checked,
     TrainingInterrupted,
     UsageError,
+    markdown_table,
     parse_config,
-    print_table,
     progress,
 )
 from bottleneck.train.experiment import Count, Interval, Positive, one_line_errors, show_logs
@@ -302,18 +303,38 @@ def test_show_logs_puts_the_librarys_lines_on_stderr_once(capsys):
     assert capsys.readouterr().err == "resumed x at epoch 2, window 0\n"
 
 
-def test_print_table(capsys):
-    rows = [{"layer": "dense", "count": 61, "value": 0.123456}, {"layer": "moe K=16", "count": 0}]
-    table = print_table(rows, floatfmt=".3f")
-    assert capsys.readouterr().out == table + "\n"
-    lines = table.splitlines()
-    assert lines[0] == "| layer    | count | value |"
-    assert lines[1] == "|:---------|------:|------:|"
-    assert lines[2] == "| dense    |    61 | 0.123 |"
-    assert lines[3] == "| moe K=16 |     0 |       |"
+def test_markdown_table():
+    rows = [
+        {"layer": "dense", "count": 61, "value": 0.123456, "code": "007"},
+        {"layer": "moe K=16", "count": np.int64(0), "value": float("nan"), "code": True},
+        {"layer": "tiny", "count": 2},
+    ]
+    lines = markdown_table(rows, floatfmt=".3f").splitlines()
+    assert [cell.strip() for cell in lines[0].strip("|").split("|")] == [
+        "layer", "count", "value", "code"
+    ]  # fmt: skip
+    # Numbers right-aligned, text (a string or a bool in the column) left-aligned.
+    assert [cell[0] + cell[-1] for cell in lines[1].strip("|").split("|")] == [
+        ":-", "-:", "-:", ":-"
+    ]  # fmt: skip
+    assert [cell.strip() for cell in lines[2].strip("|").split("|")] == [
+        "dense",
+        "61",
+        "0.123",
+        "007",
+    ]
+    assert [cell.strip() for cell in lines[3].strip("|").split("|")] == [
+        "moe K=16",
+        "0",
+        "nan",
+        "True",
+    ]
+    assert [cell.strip() for cell in lines[4].strip("|").split("|")] == ["tiny", "2", "", ""]
+    assert lines[2].index("61") + 2 == lines[3].index("0 ") + 1  # right-aligned: same last column
     assert len({len(line) for line in lines}) == 1
-    only = print_table(rows, columns=["count"])
-    assert only.splitlines()[0] == "| count |"
+    only = markdown_table(rows, columns=["count"])
+    assert only.splitlines()[0].strip("| ") == "count"
+    assert markdown_table([{"layer": "dense", "count": 1}], ["layer"]).count("\n") == 2
 
 
 def test_progress_yields_everything():
