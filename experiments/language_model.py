@@ -60,7 +60,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from bottleneck import nn
-from bottleneck.data.tfds_builders import TokenizedCorpus
+from bottleneck.data import TokenizedCorpus
 from bottleneck.nn import HEAD_NAMES
 from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel
 from bottleneck.nn.transformer import (

@@ -69,8 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bottleneck.data import BpttWindow, Vocabulary, batchify
-from bottleneck.data.tfds_builders import TokenizedCorpus
+from bottleneck.data import BpttWindow, TokenizedCorpus, Vocabulary, batchify
 from bottleneck.train.checkpoint import CheckpointStore, RunLock, StopSignals
 from bottleneck.train.experiment import progress
 from bottleneck.train.lm import (
