@@ -448,7 +448,7 @@ def markdown_table(
 
     A column whose every value is a number (not a bool) is right-aligned and its floats formatted
     with ``floatfmt``; any other column is text, left-aligned and printed as it is (a string such
-    as ``"007"`` stays ``007``). Missing cells are empty.
+    as ``"007"`` stays ``007``). Missing cells and ``None`` are empty.
 
     Args:
       rows: one mapping per row.
@@ -464,7 +464,9 @@ def markdown_table(
     """
     columns = list(columns or dict.fromkeys(key for row in rows for key in row))
     text_columns = [
-        i for i, c in enumerate(columns) if not all(_is_number(row[c]) for row in rows if c in row)
+        i
+        for i, c in enumerate(columns)
+        if not all(_is_number(row[c]) for row in rows if row.get(c) is not None)
     ]
     return tabulate(
         [[row.get(c) for c in columns] for row in rows],

@@ -332,6 +332,8 @@ def test_markdown_table():
     assert [cell.strip() for cell in lines[4].strip("|").split("|")] == ["tiny", "2", "", ""]
     assert lines[2].index("61") + 2 == lines[3].index("0 ") + 1  # right-aligned: same last column
     assert len({len(line) for line in lines}) == 1
+    with_none = markdown_table([{"std": None}, {"std": 0.123456}], floatfmt=".2f").splitlines()
+    assert [line.strip("| ") for line in with_none[2:]] == ["", "0.12"]  # still a number column
     only = markdown_table(rows, columns=["count"])
     assert only.splitlines()[0].strip("| ") == "count"
     assert markdown_table([{"layer": "dense", "count": 1}], ["layer"]).count("\n") == 2
