@@ -4,6 +4,7 @@ The results files under docs/results/ are what the scripts wrote; the README quo
 numbers, and a slice of the synthetic study is rerun here against its committed file.
 """
 
+import csv
 import json
 import os
 import pathlib
@@ -70,6 +71,28 @@ def test_readme_beyond_rank_counts_are_the_committed_results():
     assert f"softmax leaves {rows['softmax']['unargmaxable']:,} of PTB's words" in text
     assert rows["softmax"]["hidden_size_estimate"] == rows["softmax"]["d"] == 16
     assert all(rows[h]["hidden_size_estimate"] > 16 for h in ("sigsoftmax", "plif", "mos"))
+
+
+def test_readme_negative_control_is_the_committed_rows():
+    """The README's control sentence against docs/results/ptb-transformer-control.csv."""
+    test_ppl: dict[str, list[float]] = {}
+    with open(RESULTS / "ptb-transformer-control.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            test_ppl.setdefault(row["head"], []).append(float(row["test_ppl"]))
+    assert {len(seeds) for seeds in test_ppl.values()} == {3}, "the control has three seeds a head"
+    softmax = test_ppl["softmax"]
+    spread = max(max(s) - min(s) for s in test_ppl.values())
+
+    def gain_pct(head: str) -> float:
+        return 100 * (1 - sum(test_ppl[head]) / sum(softmax))
+
+    text = " ".join(README.read_text().split())
+    assert "PLIF and MoS tie with softmax" in text
+    assert all(abs(gain_pct(h)) * sum(softmax) / 300 < spread for h in ("plif", "mos"))
+    assert f"sigsoftmax is {gain_pct('sigsoftmax'):.1f}% better" in text
+    assert max(test_ppl["sigsoftmax"]) < min(softmax), "better in every seed"
+    assert f"Mixtape {-gain_pct('mixtape'):.1f}% worse in every seed" in text
+    assert min(test_ppl["mixtape"]) > max(softmax)
 
 
 def test_committed_synthetic_results_are_what_the_code_computes(tmp_path):
