@@ -92,6 +92,7 @@ from experiments.language_model import AWDLSTMConfig
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,7 +443,7 @@ def title(config: Config, rows: list[dict[str, Any]]) -> str:
 
 def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Config) -> str:
     """The results page's body: the table of heads x d, then what each cell's row says."""
-    trunk = config.trunk
+    trunk, decimals = config.trunk, _decimals(table)
     lines = [
         "Test perplexity of the best-validation model, mean ± std over seeds; gain = softmax's "
         "mean test perplexity at the same d minus the head's (positive: better than softmax). "
@@ -452,7 +453,7 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         "the budget ended; 'converged' those stopped early or whose last three epochs improved "
         f"validation by less than {100 * CONVERGED_IMPROVEMENT:g}% in all.",
         "",
-        markdown_table([_table_row(e, _decimals(table)) for e in table]),
+        markdown_table([_table_row(e, decimals) for e in table]),
     ]
     pending = [r for r in rows if r["status"] == "pending"]
     if pending:
@@ -543,8 +544,8 @@ def plot_curves(curves: dict[tuple[str, int, int], list], config: Config, path: 
             )
         ax.set_xlabel("epoch")
         ax.set_yscale("log")
-        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-            axis(matplotlib.ticker.FormatStrFormatter("%g"))  # 6.2, not 6.2 x 10^0
+        for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            set_formatter(FormatStrFormatter("%g"))  # 6.2, not 6.2 x 10^0
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("validation perplexity")
     axes[0][0].legend(fontsize=8)
@@ -646,8 +647,7 @@ def run_study(config: Config) -> dict[str, Any]:
     run.write_page("study.md", title(config, rows), text)
     plot_vs_d(table, config, run.path("test_ppl_vs_d.png"))
     plot_curves(curves, config, run.path("learning_curves.png"))
-    columns = ("d", "head", "test_ppl", "test_std", "gain_pct")
-    print(markdown_table([{k: e.get(k) for k in columns} for e in table], floatfmt=".2f"))
+    print(markdown_table(table, ("d", "head", "test_ppl", "test_std", "gain_pct"), floatfmt=".2f"))
     failed = sum(r["status"] == "failed" for r in rows)
     print(
         f"\nwrote {root}/: study.json, study.csv, study.md, test_ppl_vs_d.png, "
