@@ -92,6 +92,7 @@ from experiments.language_model import AWDLSTMConfig
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import FormatStrFormatter  # noqa: E402
 
 
@@ -520,6 +521,14 @@ def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
     plt.close(fig)
 
 
+# A line style per seed, in the order of ``config.seeds`` (repeating past four).
+SEED_LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _seed_line_style(config: Config, seed: int) -> str:
+    return SEED_LINE_STYLES[config.seeds.index(seed) % len(SEED_LINE_STYLES)]
+
+
 def plot_curves(curves: dict[tuple[str, int, int], list], config: Config, path: Path) -> None:
     fig, axes = plt.subplots(
         1, len(config.ds), figsize=(4.2 * len(config.ds), 3.8), squeeze=False, sharey=False
@@ -538,7 +547,7 @@ def plot_curves(curves: dict[tuple[str, int, int], list], config: Config, path: 
                 [r["epoch"] for r in curve],
                 [r["valid_ppl"] for r in curve],
                 color=colors[head],
-                ls="-" if seed == config.seeds[0] else "--",
+                ls=_seed_line_style(config, seed),
                 marker=".",
                 label=head if seed == config.seeds[0] else None,
             )
@@ -548,8 +557,14 @@ def plot_curves(curves: dict[tuple[str, int, int], list], config: Config, path: 
             set_formatter(FormatStrFormatter("%g"))  # 6.2, not 6.2 x 10^0
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("validation perplexity")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{config.trunk.data.corpus}: learning curves (line style: seed)")
+    # Colour is the head, line style the seed: one legend entry each.
+    seed_keys = [
+        Line2D([], [], color="0.3", ls=_seed_line_style(config, seed), label=f"seed {seed}")
+        for seed in config.seeds
+    ]
+    handles, _ = axes[0][0].get_legend_handles_labels()
+    axes[0][0].legend(handles=handles + seed_keys, fontsize=8)
+    fig.suptitle(f"{config.trunk.data.corpus}: learning curves")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
