@@ -21,8 +21,8 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
   that reaches its input (Godey & Artzi 2026), for the trained model.
 
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
-folder), the same rows as a Markdown table beside it (``.md``), and prints the table; each row
-times the exact LPs (``unargmaxable_seconds``).
+folder) as each run is measured, then the same rows as a Markdown table beside it (``.md``), and
+prints the table; each row times the exact LPs (``unargmaxable_seconds``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 import bottleneck as bn
-from bottleneck.train import UsageError, markdown_table, parse_config
+from bottleneck.train import UsageError, markdown_table, parse_config, progress
 from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.run_folder import results_page
 from experiments.generate import load_run
@@ -134,10 +134,13 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = parse_config(Config, argv=argv)
-    with one_line_errors(config):
-        rows = [measure_run(run_dir, config.tokens) for run_dir in config.run_dirs]
     out = Path(config.out or Path(config.run_dirs[0]) / "consequences.json")
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    rows: list[dict[str, Any]] = []
+    with one_line_errors(config):
+        for run_dir in progress(config.run_dirs, desc="runs"):
+            rows.append(measure_run(run_dir, config.tokens))
+            # Each run's row as it is measured (minutes each), so an interrupted call keeps them.
+            out.write_text(json.dumps(rows, indent=1) + "\n")
     table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")
     print(table)
     out.with_suffix(".md").write_text(results_page(PAGE_TITLE, table))

@@ -70,7 +70,10 @@ def test_readme_beyond_rank_counts_are_the_committed_results():
     text = " ".join(README.read_text().split())
     assert f"softmax leaves {rows['softmax']['unargmaxable']:,} of PTB's words" in text
     assert rows["softmax"]["hidden_size_estimate"] == rows["softmax"]["d"] == 16
-    assert all(rows[h]["hidden_size_estimate"] > 16 for h in ("sigsoftmax", "plif", "mos"))
+    assert "not from theirs, MoS's or Mixtape's" in text
+    assert all(
+        rows[h]["hidden_size_estimate"] > 16 for h in ("sigsoftmax", "plif", "mos", "mixtape")
+    )
 
 
 def test_readme_negative_control_is_the_committed_rows():

@@ -68,3 +68,15 @@ def test_missing_run_dirs_is_a_usage_error(capsys):
     assert capsys.readouterr().err == (
         "consequences.py: error: the following arguments are required: --run_dirs\n"
     )
+
+
+def test_rows_measured_before_a_failure_are_kept(runs, tmp_path):
+    out = tmp_path / "c.json"
+    with pytest.raises(SystemExit) as exit_info:
+        consequences.main(
+            ["--run_dirs", str(runs["softmax"]), str(tmp_path / "no-such-run"), "--tokens", "6",
+             "--out", str(out)]
+        )  # fmt: skip
+    assert exit_info.value.code != 0
+    (row,) = json.loads(out.read_text())
+    assert row["run_dir"] == str(runs["softmax"]) and row["head"] == "softmax"
