@@ -21,8 +21,8 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
   that reaches its input (Godey & Artzi 2026), for the trained model.
 
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
-folder) as each run is measured, then the same rows as a Markdown table beside it (``.md``), and
-prints the table; each row times the exact LPs (``unargmaxable_seconds``).
+folder) and the same rows as a Markdown table beside it (``.md``), both rewritten as each run is
+measured, and prints the table; each row times the exact LPs (``unargmaxable_seconds``).
 """
 
 from __future__ import annotations
@@ -139,11 +139,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with one_line_errors(config):
         for run_dir in progress(config.run_dirs, desc="runs"):
             rows.append(measure_run(run_dir, config.tokens))
-            # Each run's row as it is measured (minutes each), so an interrupted call keeps them.
+            # Both files after each run (minutes each): an interrupted call keeps the rows it
+            # measured, and its table never shows another call's rows beside them.
+            table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")
             out.write_text(json.dumps(rows, indent=1) + "\n")
-    table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")
+            out.with_suffix(".md").write_text(results_page(PAGE_TITLE, table))
     print(table)
-    out.with_suffix(".md").write_text(results_page(PAGE_TITLE, table))
     print(f"wrote {out} and {out.with_suffix('.md').name}")
     return rows
 

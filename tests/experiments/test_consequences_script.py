@@ -80,3 +80,5 @@ def test_rows_measured_before_a_failure_are_kept(runs, tmp_path):
     assert exit_info.value.code != 0
     (row,) = json.loads(out.read_text())
     assert row["run_dir"] == str(runs["softmax"]) and row["head"] == "softmax"
+    table = (tmp_path / "c.md").read_text().splitlines()[4:]
+    assert len(table) == 3 and table[2].split("|")[1].strip() == "softmax"
