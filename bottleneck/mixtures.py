@@ -1,4 +1,5 @@
-"""Mixtures of normalized distributions in log space: MoS (Yang et al. 2018), MoSS (Kanai et al.)."""
+"""Mixtures: of normalized distributions in log space (MoS, Yang et al. 2018; MoSS, Kanai et al.)
+and of logits under sigmoid-tree gates (Mixtape, Yang et al. 2019)."""
 
 from __future__ import annotations
 
@@ -119,12 +120,7 @@ def sigmoid_tree_log_weights(pre_activations: jax.Array, axis: int = -1) -> jax.
     require_float("pre_activations", pre_activations)
     pre = jnp.moveaxis(jnp.asarray(pre_activations), axis, -1)
     pre = pre.astype(compute_dtype(pre))
-    num_leaves = pre.shape[-1] + 1
-    if num_leaves & (num_leaves - 1):
-        raise ValueError(
-            f"a sigmoid tree needs K - 1 gates with K a power of two, got {pre.shape[-1]} gates "
-            f"(K = {num_leaves})"
-        )
+    num_leaves = _tree_leaves(pre.shape[-1])
     depth = num_leaves.bit_length() - 1
     left, right = jax.nn.log_sigmoid(pre), jax.nn.log_sigmoid(-pre)
     leaves = []
@@ -158,3 +154,122 @@ def gated_logits(component_logits: jax.Array, log_weights: jax.Array, axis: int 
     dtype = compute_dtype(component_logits, log_weights)
     weights = jnp.exp(jnp.asarray(log_weights).astype(dtype))
     return jnp.sum(weights * jnp.asarray(component_logits).astype(dtype), axis=axis)
+
+
+def sigmoid_tree_gated_logits(
+    component_logits: jax.Array, pre_activations: jax.Array, axis: int = -2
+) -> jax.Array:
+    r"""Mixtape's gated logits under sigmoid-tree gates, fused into one pass up the tree.
+
+    Equal (to round-off) to ``gated_logits(component_logits, sigmoid_tree_log_weights(
+    pre_activations, axis), axis)``, i.e. :math:`\bar z_x = \sum_k \pi_{x,k} z_{k,x}` with the
+    tree's leaf weights (Yang et al. 2019, Sec. 3.2), computed bottom-up: each gate ``n`` mixes
+    its two subtrees' values ``a_n`` (left) and ``b_n`` (right),
+
+    .. math:: v_n = \sigma(l_n)\, a_n + \sigma(-l_n)\, b_n, \qquad \bar z = v_1,
+
+    with ``K - 1`` sigmoid pairs per column instead of the log weights' ``2 (K - 1)`` log-sigmoids
+    and ``K`` exponentials. The derivative is a custom JVP, linear in the tangents:
+
+    .. math:: d\bar z = \sum_k \pi_k\, dz_k + \sum_n \pi_n\, \sigma(l_n)\sigma(-l_n)\,
+              (a_n - b_n)\, dl_n
+
+    (``pi_n``: the product of the gates above node ``n``), so reverse mode pulls a gradient back
+    with one product per input element and forward mode (``jax.jacfwd``) works too.
+
+    Args:
+      component_logits: ``[..., K, M]`` logits of each component, the components on ``axis``;
+        ``K`` a power of two.
+      pre_activations: ``[..., K - 1, M]`` gate pre-activations ``l`` in heap order (root 1,
+        children ``2n`` and ``2n + 1``; ``gamma_n = sigma(l_n)`` goes left), the gates on
+        ``axis``; every other dimension broadcasts with ``component_logits``'.
+      axis: the component (and gate) axis (default ``-2``).
+
+    Returns:
+      ``[..., M]`` gated logits, dtype at least float32.
+
+    Raises:
+      ValueError: ``K`` not a power of two, or shapes that do not match as above.
+
+    Example:
+      >>> import jax.numpy as jnp, bottleneck as bn
+      >>> z = jnp.array([[1.0], [2.0], [3.0], [4.0]])  # K = 4 components, M = 1
+      >>> l = jnp.array([[0.0], [0.0], [0.0]])  # every gate 1/2: uniform weights 1/4
+      >>> bn.mixtures.sigmoid_tree_gated_logits(z, l).tolist()
+      [2.5]
+    """
+    require_float("component_logits", component_logits)
+    require_float("pre_activations", pre_activations)
+    require_ndim("component_logits", component_logits, 2, "[..., K, M]")
+    require_ndim("pre_activations", pre_activations, 2, "[..., K - 1, M]")
+    z_shape, pre_shape = jnp.shape(component_logits), jnp.shape(pre_activations)
+    if not -len(z_shape) <= axis < len(z_shape) or not -len(pre_shape) <= axis < len(pre_shape):
+        raise ValueError(
+            f"axis {axis} is out of range for component_logits {z_shape} or pre_activations "
+            f"{pre_shape}"
+        )
+    z = jnp.moveaxis(jnp.asarray(component_logits), axis, 0)
+    pre = jnp.moveaxis(jnp.asarray(pre_activations), axis, 0)
+    num_leaves = z.shape[0]
+    if pre.shape[0] != num_leaves - 1:
+        raise ValueError(
+            f"pre_activations must have K - 1 = {num_leaves - 1} gates on axis {axis} for "
+            f"K = {num_leaves} components, got {pre.shape[0]} (shapes {pre_shape} and {z_shape})"
+        )
+    _tree_leaves(pre.shape[0])
+    try:
+        rest = jnp.broadcast_shapes(z.shape[1:], pre.shape[1:])
+    except ValueError as err:
+        raise ValueError(
+            f"component_logits {z_shape} and pre_activations {pre_shape} do not broadcast "
+            f"outside axis {axis}"
+        ) from err
+    dtype = compute_dtype(z, pre)
+    z = jnp.broadcast_to(z.astype(dtype), (num_leaves, *rest))
+    if num_leaves == 1:
+        return z[0]
+    pre = jnp.broadcast_to(pre.astype(dtype), (num_leaves - 1, *rest))
+    return _sigmoid_tree_mix(pre, z)
+
+
+def _tree_leaves(num_gates: int) -> int:
+    """``K = num_gates + 1``, checked to be a power of two (a complete binary tree)."""
+    num_leaves = num_gates + 1
+    if num_leaves & (num_leaves - 1):
+        raise ValueError(
+            f"a sigmoid tree needs K - 1 gates with K a power of two, got {num_gates} gates "
+            f"(K = {num_leaves})"
+        )
+    return num_leaves
+
+
+def _sigmoid_tree_parts(pre: jax.Array, z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``[K - 1, ...]`` gates, ``[K, ...]`` logits -> value, leaf weights ``pi``, gate slopes."""
+    values, levels = z, []
+    while values.shape[0] > 1:  # leaves up to the root: level n holds heap nodes n .. 2n - 1
+        nodes = values.shape[0] // 2
+        gates = pre[nodes - 1 : 2 * nodes - 1]
+        left, right = jax.nn.sigmoid(gates), jax.nn.sigmoid(-gates)
+        pairs = values.reshape(nodes, 2, *values.shape[1:])
+        levels.append((left, right, pairs))
+        values = left * pairs[:, 0] + right * pairs[:, 1]
+    weights, slopes = jnp.ones_like(values), []
+    for left, right, pairs in reversed(levels):  # root down: weights are path products
+        slopes.append(weights * left * right * (pairs[:, 0] - pairs[:, 1]))
+        weights = jnp.stack([weights * left, weights * right], axis=1)
+        weights = weights.reshape(2 * left.shape[0], *left.shape[1:])
+    return values[0], weights, jnp.concatenate(slopes, axis=0)
+
+
+@jax.custom_jvp
+def _sigmoid_tree_mix(pre: jax.Array, z: jax.Array) -> jax.Array:
+    return _sigmoid_tree_parts(pre, z)[0]
+
+
+@_sigmoid_tree_mix.defjvp
+def _sigmoid_tree_mix_jvp(primals, tangents):
+    # Linear in the tangents with the weights and slopes as constants: reverse mode transposes
+    # it into two products, instead of differentiating the tree's slices and stacks.
+    (pre, z), (pre_dot, z_dot) = primals, tangents
+    value, weights, slopes = _sigmoid_tree_parts(pre, z)
+    return value, jnp.sum(weights * z_dot, axis=0) + jnp.sum(slopes * pre_dot, axis=0)

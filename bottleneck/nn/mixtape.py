@@ -33,19 +33,24 @@ import numpy as np
 from flax import nnx
 
 from bottleneck._checks import require_finite_number, require_int
-from bottleneck.mixtures import gated_logits, sigmoid_tree_log_weights
+from bottleneck.mixtures import (
+    gated_logits,
+    sigmoid_tree_gated_logits,
+    sigmoid_tree_log_weights,
+)
 from bottleneck.nn.heads import OutputHead, padded_rows_init, uniform_init
 from bottleneck.sharding import VOCAB, VocabShard, axis_size, context_mesh, vocab_rows_metadata
 
 GATES = ("sigmoid_tree", "softmax")
 # Float32 buffers per component logit (K per token with its own gate) that a chunk keeps live at
-# the peak of its value and gradient: the component logits, the gates' pre-activations and log
-# weights, their products and the gradients of each. The gated logits [C, M] add the head's
+# the peak of its value and gradient: the component logits and the gates' pre-activations, the
+# sigmoid tree's leaf weights and gate slopes (sigmoid_tree_gated_logits' derivative) and the
+# gradients of the logits and pre-activations. The gated logits [C, M] add the head's
 # HEAD_BUFFERS_PER_LOGIT and the pieces' own. Measured with compiled.memory_analysis() on
-# XLA:CPU, with and without gate sharing (tests/nn/test_heads.py and tests/nn/test_mixtape.py
-# check that a chunk stays within its budget): 11.6 without sharing; with sharing the per-token
-# total fits 1.5 M + 11.5 K F for 1% to 50% frequent tokens.
-MIXTAPE_BUFFERS_PER_LOGIT = 12.0
+# XLA:CPU at d = 256, M = 32768, K = 4 (tests/nn/test_heads.py and tests/nn/test_mixtape.py check
+# that doubling the budget raises the temporaries by 0.5-1.1x the extra budget): with 4.5, 0.90
+# without gate sharing and 0.85, 0.68, 0.97 with 1%, 10%, 50% frequent tokens.
+MIXTAPE_BUFFERS_PER_LOGIT = 4.5
 
 
 class MixtapeHead(OutputHead):
@@ -174,9 +179,9 @@ class MixtapeHead(OutputHead):
 
     @property
     def declared_buffers_per_element(self) -> float | None:
-        """Per element of :attr:`elements_per_token`: ``(b M + 12 K F) / elements``.
+        """Per element of :attr:`elements_per_token`: ``(b M + 4.5 K F) / elements``.
 
-        ``b``: the head's and its pieces' buffers per gated logit (``M`` per token), ``12``
+        ``b``: the head's and its pieces' buffers per gated logit (``M`` per token), ``4.5``
         (:data:`MIXTAPE_BUFFERS_PER_LOGIT`) per component logit of a token with its own gate
         (``F = M`` without gate sharing).
         """
@@ -188,7 +193,10 @@ class MixtapeHead(OutputHead):
         return total / self.elements_per_token
 
     def log_prior(self, h: jax.Array) -> None:
-        """No context-only prior: Mixtape's gates depend on the token too (:meth:`log_gates`)."""
+        """No context-only prior: Mixtape's gates depend on the token too.
+
+        See :meth:`gate_pre_activations`.
+        """
         return None
 
     def log_gates(self, pre_activations: jax.Array) -> jax.Array:
@@ -197,13 +205,12 @@ class MixtapeHead(OutputHead):
             return jax.nn.log_softmax(pre_activations.astype(jnp.float32), axis=-2)
         return sigmoid_tree_log_weights(pre_activations, axis=-2)
 
-    def token_gates(
-        self, h: jax.Array, columns: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        """Log gate priors ``[..., K, M_local]`` of this device's columns (or of ``columns``).
+    def gate_pre_activations(self, h: jax.Array, columns: jax.Array | None = None) -> jax.Array:
+        """Gate pre-activations ``[..., G, M_local]`` of this device's columns (or ``columns``).
 
-        ``l_{x,j} = v_x^T tanh(U_j g) + u_j^T g + b_{x,j}`` for ``g = h``; ``columns`` (local
-        row indices, out-of-range ones read as zero rows) picks the frequent tokens.
+        ``l_{x,j} = v_x^T tanh(U_j g) + u_j^T g + b_{x,j}`` for ``g = h``, in float32;
+        :meth:`log_gates` turns them into log gate priors. ``columns`` (local row indices,
+        out-of-range ones read as zero rows) picks the frequent tokens.
         """
         lead = h.shape[:-1]
         projected = jnp.tanh(self.gate_projection(h))
@@ -216,7 +223,7 @@ class MixtapeHead(OutputHead):
             "...gd,md->...gm", projected, embedding, preferred_element_type=jnp.float32
         )
         pre = pre + self.gate_context(h).astype(jnp.float32)[..., None]
-        return self.log_gates(pre + bias.T.astype(jnp.float32))
+        return pre + bias.T.astype(jnp.float32)
 
     def mixture_scores(
         self, h: jax.Array, latent_mask: jax.Array | None = None, *, vocab: VocabShard
@@ -227,23 +234,33 @@ class MixtapeHead(OutputHead):
         latents, _ = self.components(h, latent_mask)  # [..., K, d']
         decoder = self.decoder[...]
         if not self.shares_gates:
-            z = self.gated(latents, decoder, self.token_gates(h))
+            z = self.gated(latents, decoder, self.gate_pre_activations(h))
         else:
             z = self.shared_gate_logits(h, latents, decoder)
             frequent = self._local_frequent_columns(vocab, decoder.shape[0])
             if frequent.size:
                 rows = jnp.take(decoder, frequent, axis=0, mode="fill", fill_value=0)
-                own = self.gated(latents, rows, self.token_gates(h, frequent))
+                own = self.gated(latents, rows, self.gate_pre_activations(h, frequent))
                 z = z.at[..., frequent].set(own, mode="drop")
         if self.bias is not None:
             z = z + self.bias[...].astype(jnp.float32)
         return vocab.mask_padding(self.log_scores(z))[..., None, :], None
 
-    @staticmethod
-    def gated(latents: jax.Array, decoder: jax.Array, log_gates: jax.Array) -> jax.Array:
-        """``sum_k pi_{x,k} h_k^T w_x``: ``[..., K, d']``, ``[M, d']``, ``[..., K, M]`` -> ``[..., M]``."""
+    def gated(
+        self, latents: jax.Array, decoder: jax.Array, pre_activations: jax.Array
+    ) -> jax.Array:
+        """``sum_k pi_{x,k} h_k^T w_x`` ``[..., M]`` from the gates' pre-activations.
+
+        ``latents`` ``[..., K, d']``, ``decoder`` ``[M, d']``, ``pre_activations``
+        ``[..., G, M]``. The sigmoid tree goes through
+        :func:`~bottleneck.mixtures.sigmoid_tree_gated_logits` (fused, a two-product
+        derivative); the softmax gate through its log weights and
+        :func:`~bottleneck.mixtures.gated_logits`.
+        """
         z = jnp.einsum("...kd,md->...km", latents, decoder, preferred_element_type=jnp.float32)
-        return gated_logits(z, log_gates)
+        if self.gate == "sigmoid_tree":
+            return sigmoid_tree_gated_logits(z, pre_activations)
+        return gated_logits(z, self.log_gates(pre_activations))
 
     def shared_gate_logits(self, h: jax.Array, latents: jax.Array, decoder: jax.Array) -> jax.Array:
         """``w_x^T sum_k pi_{*,k} h_k`` for every column: one ``[..., d'] x [d', M]`` product."""
