@@ -22,7 +22,10 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
 
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
 folder) and the same rows as a Markdown table beside it (``.md``), both rewritten as each run is
-measured, and prints the table; each row times the exact LPs (``unargmaxable_seconds``).
+measured, and prints the table; each row names its run folder (``run``), times the exact LPs
+(``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
+grid's rows call by call (``experiments/lm_study_grid.sh`` measures each cell as it lands): the
+rows it holds for other run folders are kept, and a run measured again replaces its row.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 import bottleneck as bn
-from bottleneck.train import UsageError, markdown_table, parse_config, progress
+from bottleneck.train import UsageError, code_commit, markdown_table, parse_config, progress
 from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.run_folder import results_page
 from experiments.generate import load_run
@@ -49,11 +52,15 @@ from experiments.logit_spread import head_inputs
 
 PAGE_TITLE = "Beyond rank: unargmaxable tokens, hidden size and gradient share of trained runs"
 TABLE_COLUMNS = (
-    "head", "d", "vocab_size", "unargmaxable", "unargmaxable_train_share",
+    "run", "head", "d", "vocab_size", "unargmaxable", "unargmaxable_train_share",
     "unargmaxable_seen_as_argmax", "distinct_argmaxes", "hidden_size_estimate",
     "gradient_ratio_median", "positions",
-    "unargmaxable_seconds",
+    "unargmaxable_seconds", "commit",
 )  # fmt: skip
+
+MERGED_NOTE = (
+    "Rows gathered call by call (`--merge`); a row's `commit` is the code that measured it."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +70,8 @@ class Config(Checked):
     run_dirs: tuple[str, ...]  # language_model.py run folders
     tokens: Count = 2048  # validation positions (whole windows) for the estimates
     out: str | None = None  # JSON file; None: RUN/consequences.json of the first run
+    #: keep --out's rows of other run folders (by folder name), replacing those measured again
+    merge: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -115,6 +124,7 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
     ratios = gradient_ratios(head, h.reshape(-1, h.shape[-1]), targets.reshape(-1))
     argmaxes = np.unique(log_probs.argmax(axis=-1))
     return {
+        "run": Path(run_dir).name,
         "run_dir": run_dir,
         "head": config.head.name,
         "latent": config.head.latent if head.is_mixture else None,
@@ -129,21 +139,45 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
         "hidden_size_estimate": bn.estimate_hidden_size(jnp.asarray(log_probs)),
         "gradient_ratio_median": float(np.median(ratios)),
         "positions": int(log_probs.shape[0]),
+        "commit": code_commit(),
     }
+
+
+def earlier_rows(out: Path) -> list[dict[str, Any]]:
+    """The rows ``out`` holds from earlier calls (none if it does not exist yet)."""
+    if not out.exists():
+        return []
+    try:
+        rows = json.loads(out.read_text())
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--merge: {out} is not JSON ({error})") from None
+    if not (isinstance(rows, list) and all(isinstance(r, dict) and "run" in r for r in rows)):
+        raise UsageError(f"--merge: {out} is not a list of this script's rows (each with 'run')")
+    return rows
+
+
+def merged(rows: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, Any]]:
+    """``rows`` with ``row`` in place of the row of the same run folder, or appended."""
+    runs = [r["run"] for r in rows]
+    if row["run"] not in runs:
+        return [*rows, row]
+    i = runs.index(row["run"])
+    return [*rows[:i], row, *rows[i + 1 :]]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = parse_config(Config, argv=argv)
     out = Path(config.out or Path(config.run_dirs[0]) / "consequences.json")
-    rows: list[dict[str, Any]] = []
     with one_line_errors(config):
+        rows = earlier_rows(out) if config.merge else []
         for run_dir in progress(config.run_dirs, desc="runs"):
-            rows.append(measure_run(run_dir, config.tokens))
+            rows = merged(rows, measure_run(run_dir, config.tokens))
             # Both files after each run (minutes each): an interrupted call keeps the rows it
-            # measured, and its table never shows another call's rows beside them.
+            # measured, and the table always shows the JSON's rows, no more.
             table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")
             out.write_text(json.dumps(rows, indent=1) + "\n")
-            out.with_suffix(".md").write_text(results_page(PAGE_TITLE, table))
+            body = f"{MERGED_NOTE}\n\n{table}" if config.merge else table
+            out.with_suffix(".md").write_text(results_page(PAGE_TITLE, body))
     print(table)
     print(f"wrote {out} and {out.with_suffix('.md').name}")
     return rows

@@ -8,6 +8,10 @@
 #
 # COMMIT: the code to run; WORK_DIR: where the pinned worktree and the cells' run folders go
 # (outside the checkout); RESULTS_CSV: a path inside the checkout, committed after each cell.
+# With CONSEQUENCES=FILE.json (a path inside the checkout) each finished cell is also measured
+# by experiments/consequences.py --merge, and FILE.json and FILE.md are committed with its row:
+# the cells' weights stay outside the checkout, so a change of machine keeps only what was
+# committed.
 # Example (PTB's files in DIR):
 #   nohup experiments/lm_study_grid.sh HEAD /work/grid docs/results/ptb-transformer.csv \
 #       --data_dir DIR --heads softmax sigsoftmax plif > /work/grid/log 2>&1 &
@@ -20,10 +24,24 @@ shift 3
 code="$work/code-$commit"
 [ -d "$code" ] || git -C "$checkout" worktree add --detach "$code" "$commit"
 python="${PYTHON:-$checkout/.venv/bin/python}"
-commit_row='cd "'"$checkout"'" && for try in 1 2 3 4 5 6; do
-  git add -- "$RESULTS_CSV" && git commit -q -m "lm_study (partial grid): $CELL" -- "$RESULTS_CSV" && break
-  sleep 10; done'
+# What runs after each finished cell ($CELL and $RESULTS_CSV set by lm_study.py), as a file.
+hook="$work/after-cell-$commit.sh"
+echo 'files=("$RESULTS_CSV")' > "$hook"
+if [ -n "${CONSEQUENCES:-}" ]; then
+  out="$checkout/${CONSEQUENCES%.json}"
+  cat >> "$hook" <<END
+"$python" experiments/consequences.py --merge --out "$out.json" \\
+    --run_dirs "$work/runs/cells/\$CELL" || echo "consequences.py failed on \$CELL"
+[ -e "$out.json" ] && files+=("$out.json" "$out.md")
+END
+fi
+cat >> "$hook" <<END
+cd "$checkout" && for try in 1 2 3 4 5 6; do
+  git add -- "\${files[@]}" && git commit -q -m "lm_study (partial grid): \$CELL" -- "\${files[@]}" && break
+  sleep 10
+done
+END
 cd "$code"
 # The pinned worktree's library, not the checkout's editable install.
 PYTHONPATH="$code" exec "$python" experiments/lm_study.py --out_dir "$work/runs" \
-    --results_csv "$csv" --after_cell "$commit_row" "$@"
+    --results_csv "$csv" --after_cell "bash \"$hook\"" "$@"

@@ -43,7 +43,7 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
     page = (tmp_path / "c.md").read_text().splitlines()
     assert page[0].startswith("# Beyond rank") and page[2].startswith("Written by `python ")
     table = page[4:]
-    assert len(table) == 2 + len(rows) and table[0].split("|")[1].strip() == "head"
+    assert len(table) == 2 + len(rows) and table[0].split("|")[1].strip() == "run"
     softmax, mos = rows
     assert softmax["unargmaxable_seconds"] > 0
     assert all(0 < row["gradient_ratio_median"] <= 1 for row in rows)
@@ -82,3 +82,34 @@ def test_rows_measured_before_a_failure_are_kept(runs, tmp_path):
     assert row["run_dir"] == str(runs["softmax"]) and row["head"] == "softmax"
     table = (tmp_path / "c.md").read_text().splitlines()[4:]
     assert len(table) == 3 and table[2].split("|")[1].strip() == "softmax"
+
+
+def test_merge_keeps_other_runs_rows_and_replaces_a_run_measured_again(runs, tmp_path):
+    out = tmp_path / "c.json"
+    args = ["--tokens", "6", "--out", str(out)]
+    softmax, mos = consequences.main(["--run_dirs", str(runs["softmax"]), str(runs["mos"]), *args])
+    assert (softmax["run"], mos["run"]) == ("softmax", "mos")
+    # Marked rows: the one measured again must be replaced, the other kept as it was.
+    out.write_text(json.dumps([{**softmax, "unargmaxable": -1}, {**mos, "unargmaxable": -2}]))
+    rows = consequences.main(["--merge", "--run_dirs", str(runs["softmax"]), *args])
+    assert json.loads(out.read_text()) == rows
+    assert [(r["run"], r["unargmaxable"]) for r in rows] == [
+        ("softmax", softmax["unargmaxable"]),
+        ("mos", -2),
+    ]
+    page = (tmp_path / "c.md").read_text().splitlines()
+    assert page[4].startswith("Rows gathered call by call") and len(page[6:]) == 2 + 2
+    # Without --merge the file holds this call's rows only.
+    (row,) = consequences.main(["--run_dirs", str(runs["mos"]), *args])
+    assert [r["run"] for r in json.loads(out.read_text())] == ["mos"]
+
+
+def test_merge_refuses_a_file_that_is_not_its_rows(runs, tmp_path, capsys):
+    out = tmp_path / "c.json"
+    for text in ('{"run": "softmax"}', "[1, 2]", "not json"):
+        out.write_text(text)
+        with pytest.raises(SystemExit) as exit_info:
+            consequences.main(["--merge", "--run_dirs", str(runs["softmax"]), "--out", str(out)])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.startswith(f"consequences.py: error: --merge: {out} is not")
+        assert out.read_text() == text
