@@ -24,23 +24,25 @@ shift 3
 code="$work/code-$commit"
 [ -d "$code" ] || git -C "$checkout" worktree add --detach "$code" "$commit"
 python="${PYTHON:-$checkout/.venv/bin/python}"
-# What runs after each finished cell ($CELL and $RESULTS_CSV set by lm_study.py), as a file.
+# What runs after each finished cell ($CELL and $RESULTS_CSV set by lm_study.py), as a file:
+# the row is committed first, so that a measurement cut short never holds it back.
 hook="$work/after-cell-$commit.sh"
-echo 'files=("$RESULTS_CSV")' > "$hook"
+cat > "$hook" <<END
+commit() {  # MESSAGE FILE...: another process may hold git's lock for a moment
+  for try in 1 2 3 4 5 6; do
+    git -C "$checkout" add -- "\${@:2}" && git -C "$checkout" commit -q -m "\$1" -- "\${@:2}" && return
+    sleep 10
+  done
+}
+commit "lm_study (partial grid): \$CELL" "\$RESULTS_CSV"
+END
 if [ -n "${CONSEQUENCES:-}" ]; then
   out="$checkout/${CONSEQUENCES%.json}"
   cat >> "$hook" <<END
 "$python" experiments/consequences.py --merge --out "$out.json" \\
-    --run_dirs "$work/runs/cells/\$CELL" || echo "consequences.py failed on \$CELL"
-[ -e "$out.json" ] && files+=("$out.json" "$out.md")
+    --run_dirs "$work/runs/cells/\$CELL" && commit "consequences: \$CELL" "$out.json" "$out.md"
 END
 fi
-cat >> "$hook" <<END
-cd "$checkout" && for try in 1 2 3 4 5 6; do
-  git add -- "\${files[@]}" && git commit -q -m "lm_study (partial grid): \$CELL" -- "\${files[@]}" && break
-  sleep 10
-done
-END
 cd "$code"
 # The pinned worktree's library, not the checkout's editable install.
 PYTHONPATH="$code" exec "$python" experiments/lm_study.py --out_dir "$work/runs" \
