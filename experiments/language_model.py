@@ -391,7 +391,7 @@ PRESETS: dict[str, Config] = {
 # (named as config.json records them: the chosen model's fields under its family's name).
 RESUMABLE_CHANGES = (
     "training.epochs", "data.data_dir", "data.tfds_dir", "data.seq_len_bucket", "awd_lstm.unroll",
-    "evaluation", "out_dir",
+    "head.memory_budget_mib", "evaluation", "out_dir",
 )  # fmt: skip
 
 
@@ -399,7 +399,7 @@ def build_model(config: Config, vocab_size: int) -> LanguageModel:
     """The configured model with its head behind the run loop's interface, initialised from
     ``config.seed`` (build it under the run's mesh)."""
     rngs = nnx.Rngs(config.seed)
-    head = {"head": config.head.name, **config.head.options()}
+    head = {"head": config.head.name, **config.head.options(), **config.head.compute_options()}
     options = dataclasses.asdict(config.model)
     if isinstance(config.model, TransformerConfig):
         return TransformerLanguageModel(Transformer(vocab_size, rngs=rngs, **options, **head))

@@ -131,6 +131,9 @@ class HeadConfig(Checked):
     #: the mixtures' latent map: tanh (Yang et al.) | linear (identity-initialised facets, Chang &
     #: McCallum 2022).
     latent: Literal[LATENTS] = "tanh"
+    #: MiB one chunk of the head's loss may use (None: the library's 32): speed and memory
+    #: only, not the model; smaller chunks can be faster in a CPU's caches, larger on a GPU
+    memory_budget_mib: Positive | None = None
 
     @property
     def uses_plif(self) -> bool:
@@ -140,6 +143,12 @@ class HeadConfig(Checked):
         """The keyword options of :func:`bottleneck.nn.make_head` that this head takes."""
         candidates = {option: getattr(self, field) for field, option in _OPTION_OF_FIELD.items()}
         return nn.head_options(self.name, **candidates)
+
+    def compute_options(self) -> dict[str, Any]:
+        """The options of :func:`bottleneck.nn.make_head` that change its speed, not its model."""
+        if self.memory_budget_mib is None:
+            return {}
+        return {"memory_budget": int(self.memory_budget_mib * 2**20)}
 
     def unused_fields(self) -> tuple[str, ...]:
         """The fields of options this head does not take (they cannot change its model)."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bottleneck.losses import DEFAULT_MEMORY_BUDGET
 from bottleneck.train import HeadConfig, parse_config
 from experiments import language_model
 
@@ -406,6 +407,19 @@ def test_head_options_the_head_does_not_take_may_change_on_resuming():
         "head.num_knots" not in plif.resumable_changes and "head.latent" in plif.resumable_changes
     )
     assert {"head.latent", "head.num_components"}.isdisjoint(mos.resumable_changes)
+
+
+def test_the_head_memory_budget_reaches_the_head_and_may_change_on_resuming():
+    smoke = language_model.PRESETS["transformer-smoke"]
+    mixtape = HeadConfig("mixtape", num_components=4)
+    for mib, expected in ((None, DEFAULT_MEMORY_BUDGET), (4, 4 * 2**20), (0.5, 2**19)):
+        config = dataclasses.replace(
+            smoke, head=dataclasses.replace(mixtape, memory_budget_mib=mib)
+        )
+        assert language_model.build_model(config, 50).model.head.memory_budget == expected
+        assert "head.memory_budget_mib" in config.resumable_changes
+    with pytest.raises(ValueError, match="memory_budget_mib must be > 0"):
+        HeadConfig(memory_budget_mib=0.0)
 
 
 def test_a_cosine_shorter_than_the_budget_lets_the_budget_change_on_resuming():
