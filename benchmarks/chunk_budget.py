@@ -20,6 +20,7 @@ Run from the repository root (about a minute on 2 cores, alone on the machine):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -30,20 +31,18 @@ from tqdm import tqdm
 
 from bottleneck import nn
 from bottleneck.losses import DEFAULT_MEMORY_BUDGET
+from experiments import lm_study
 
-TOKENS, VOCAB = 32 * 64, 10_000
-# The study's head options (experiments/lm_study.py's trunk, language_model's transformer-study).
-HEAD_OPTIONS = {
-    "plif": {"num_knots": 10_000},
-    "mos": {"num_components": 4, "latent": "linear"},
-    "mixtape": {"num_components": 4, "latent": "linear"},
-}
+# The study's trunk: its batch and its head options, read from the study itself.
+STUDY = lm_study.Config().trunk
+TOKENS, VOCAB = STUDY.data.batch_size * STUDY.data.bptt, 10_000  # PTB's vocabulary
 MIB = 2**20
 
 
 def loss_and_grads(name: str, d: int, budget_mib: int, h: jax.Array, labels: jax.Array):
     """A zero-argument call of the head's jitted loss and gradients at this budget."""
-    options = {**HEAD_OPTIONS.get(name, {}), "memory_budget": budget_mib * MIB}
+    options = dataclasses.replace(STUDY.head, name=name).options()
+    options["memory_budget"] = budget_mib * MIB
     head = nn.make_head(name, d, VOCAB, rngs=nnx.Rngs(0), **options)
 
     @nnx.jit
