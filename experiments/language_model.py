@@ -387,11 +387,13 @@ PRESETS: dict[str, Config] = {
 }
 
 
-# Fields that may differ when a run is resumed: they change neither the model nor its training
-# (named as config.json records them: the chosen model's fields under its family's name).
+# Fields that change how a run computes, not what (its numbers move by round-off at most):
+# a finished run read back with other values is still the same run (named as config.json records
+# them: the chosen model's fields under its family's name).
+COMPUTE_ONLY = ("data.seq_len_bucket", "awd_lstm.unroll", "head.memory_budget_mib", "out_dir")
+# Fields that may differ when a run is resumed: they change neither the model nor its training.
 RESUMABLE_CHANGES = (
-    "training.epochs", "data.data_dir", "data.tfds_dir", "data.seq_len_bucket", "awd_lstm.unroll",
-    "head.memory_budget_mib", "evaluation", "out_dir",
+    *COMPUTE_ONLY, "training.epochs", "data.data_dir", "data.tfds_dir", "evaluation",
 )  # fmt: skip
 
 

@@ -245,12 +245,13 @@ PRESETS: dict[str, Config] = {
 
 
 def finished_results(cell: language_model.Config) -> dict[str, Any] | None:
-    """The cell's results if it finished with exactly this config (else it must run or resume)."""
+    """The cell's results if it finished with this config, up to the fields that change only
+    how it computes (else it must run or resume: a resumed run checks its data again)."""
     root = Path(cell.out_dir)
     if not (root / "results.json").is_file() or not (root / "config.json").is_file():
         return None
     try:
-        check_resumable(root, cell)  # every field as recorded
+        check_resumable(root, cell, may_change=language_model.COMPUTE_ONLY)
     except RunFolderError:
         return None  # e.g. a longer --epochs budget: the cell resumes from its checkpoint
     return json.loads((root / "results.json").read_text())
