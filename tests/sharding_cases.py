@@ -27,7 +27,6 @@ from bottleneck.train import Trainer, make_optimizer
 from bottleneck.train.checkpoint import CheckpointStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from checkpoint_fakes import save_old_format  # noqa: E402
 from head_combos import PAIRWISE_COMBOS, build_head, keep_relu_off_its_kink  # noqa: E402
 
 MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
@@ -304,28 +303,21 @@ def _head_with_adam(seed: int) -> dict:
 
 
 def checkpoint_case(mesh_spec: str) -> float:
-    """Sharded state saved by CheckpointStore, and the same in the older unnamed format (saved
-    from the host), restored onto a fresh state's shardings: the largest deviation from the
-    saved values, 1.0 if an array comes back on another sharding or nothing was sharded."""
+    """Sharded state saved by CheckpointStore, restored onto a fresh state's shardings: the
+    largest deviation from the saved values, 1.0 if an array comes back on another sharding or
+    nothing was sharded."""
     mesh = make_mesh(mesh_spec)
     with jax.set_mesh(mesh):
         saved, template = _head_with_adam(0), _head_with_adam(1)
     if all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(saved)):
         return _failed("checkpoint: no array of the head is sharded")
-    deviation = 0.0
-    with tempfile.TemporaryDirectory() as folder:
-        with CheckpointStore(pathlib.Path(folder) / "by_name") as store:
-            store.save(1, {"state": saved}, {})
-            by_name = store.restore({"state": template})[0]["state"]
-        save_old_format(pathlib.Path(folder) / "by_position", 1, {"state": saved}, {})
-        with CheckpointStore(pathlib.Path(folder) / "by_position") as store:
-            by_position = store.restore({"state": template})[0]["state"]
-    for restored in (by_name, by_position):
-        for got, where in zip(jax.tree.leaves(restored), jax.tree.leaves(template), strict=True):
-            if got.sharding != where.sharding:
-                return _failed(f"checkpoint: restored on {got.sharding}, not {where.sharding}")
-        deviation = max(deviation, _max_deviation(restored, saved))
-    return deviation
+    with tempfile.TemporaryDirectory() as folder, CheckpointStore(folder) as store:
+        store.save(1, {"state": saved}, {})
+        restored = store.restore({"state": template})[0]["state"]
+    for got, where in zip(jax.tree.leaves(restored), jax.tree.leaves(template), strict=True):
+        if got.sharding != where.sharding:
+            return _failed(f"checkpoint: restored on {got.sharding}, not {where.sharding}")
+    return _max_deviation(restored, saved)
 
 
 def main() -> None:

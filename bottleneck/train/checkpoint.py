@@ -107,21 +107,9 @@ def _describe(signature: Signature) -> str:
     return f"{dtype}{list(shape)}"
 
 
-# The older format (see CheckpointStore): a pytree's leaves in flattening order, named 00000,
-# 00001, ...
+# How checkpoints written before commit c9a2166 named a pytree's leaves: 00000, 00001, ... in
+# flattening order.
 _UNNAMED_LEAF = re.compile(r"\d{5}")
-
-
-def _is_unnamed(saved: Mapping[str, Signature]) -> bool:
-    return bool(saved) and all(_UNNAMED_LEAF.fullmatch(name) for name in saved)
-
-
-def _stored_names(saved: Mapping[str, Signature], names: list[str]) -> list[str]:
-    """Where each of a template's leaves (``names``, in flattening order) is in a checkpoint
-    item holding ``saved``: under its name, or in an older checkpoint at its position."""
-    if _is_unnamed(saved):
-        return [f"{i:05d}" for i in range(len(names))]
-    return names
 
 
 def _few(entries: list[str], shown: int = 3) -> str:
@@ -132,13 +120,6 @@ def _few(entries: list[str], shown: int = 3) -> str:
 def _misfits(saved: Mapping[str, Signature], expected: Mapping[str, Signature]) -> list[str]:
     """What keeps arrays ``saved`` under their names from filling ``expected``'s (empty: they
     fit): the names missing, unexpected and of another dtype or shape, a few each."""
-    if _is_unnamed(saved) and len(saved) != len(expected):
-        return [
-            f"it holds {len(saved)} unnamed arrays (an older checkpoint), {len(expected)} expected"
-        ]
-    if _is_unnamed(saved):
-        positions = _stored_names(saved, list(expected))
-        saved = {name: saved[position] for name, position in zip(expected, positions, strict=True)}
     missing = [name for name in expected if name not in saved]
     unexpected = [name for name in saved if name not in expected]
     changed = [
@@ -154,23 +135,21 @@ def _misfits(saved: Mapping[str, Signature], expected: Mapping[str, Signature]) 
     return [f"{len(entries)} {label}: {_few(entries)}" for label, entries in groups if entries]
 
 
-def _restore_target(template: Any, stored_names: list[str]) -> dict[str, Any]:
+def _restore_target(template: Any) -> dict[str, Any]:
     """The nested tree of ``jax.ShapeDtypeStruct`` that Orbax fills: each template leaf's shape,
     dtype and sharding (the arrays come back where the template's live, a mesh's included)."""
-    leaves = jax.tree.leaves(template)
     return _nested(
         (name, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding))
-        for name, leaf in zip(stored_names, leaves, strict=True)
+        for name, leaf in _named_leaves(template)
     )
 
 
-def _rebuilt(template: Any, restored: Any, stored_names: list[str]) -> Any:
+def _rebuilt(template: Any, restored: Any) -> Any:
     """The pytree of ``template``'s structure (NNX ``State``, named tuples and all) holding the
-    arrays of the ``restored`` nested tree, found under ``stored_names``."""
+    arrays of the ``restored`` nested tree under the template's leaves' names."""
     by_name = dict(_named_leaves(restored))
-    return jax.tree.unflatten(
-        jax.tree.structure(template), [by_name[name] for name in stored_names]
-    )
+    names = [name for name, _ in _named_leaves(template)]
+    return jax.tree.unflatten(jax.tree.structure(template), [by_name[name] for name in names])
 
 
 # -- write failures ------------------------------------------------------------------------------
@@ -259,14 +238,9 @@ class CheckpointStore:
 
     Saves are synchronous, so a checkpoint is complete on disk when :meth:`save` returns; Orbax
     writes into a temporary folder and renames it, so a killed save never leaves a checkpoint
-    that :meth:`latest_step` would return.
-
-    Checkpoints written before pytrees were stored by name (up to commit c9a2166) hold each
-    pytree as its leaves in flattening order, named ``00000``, ``00001``, ...; :meth:`restore`
-    recognises them by those names and still reads them, leaf by leaf onto the template's
-    flattening order (checking only the count, dtypes and shapes), because runs of a study grid
-    pinned at an older commit keep writing them and must stay resumable, finetunable and
-    loadable here.
+    that :meth:`latest_step` would return. Checkpoints written before pytrees were stored by
+    name (up to commit c9a2166: arrays named ``00000``, ``00001``, ...) are refused with a
+    ``ValueError`` that says so.
 
     Args:
       directory: the checkpoint folder (created).
@@ -380,9 +354,14 @@ class CheckpointStore:
                 f"checkpoint {step} in {self.directory} holds no item {', '.join(absent)} (it "
                 f"holds {', '.join(self._item_names(step))})"
             )
-        stored_names = {}
         for name, template in templates.items():
             saved = self._saved(step, name)
+            if saved and all(_UNNAMED_LEAF.fullmatch(path) for path in saved):
+                raise ValueError(
+                    f"checkpoint {step} in {self.directory} holds arrays without names (00000, "
+                    "00001, ...) as those written before commit c9a2166 do, which this version "
+                    "does not read; retrain, or finish the run with that commit"
+                )
             expected = {path: _signature(leaf) for path, leaf in _named_leaves(template)}
             misfits = _misfits(saved, expected)
             if misfits:
@@ -390,17 +369,13 @@ class CheckpointStore:
                     f"checkpoint {step} in {self.directory}: item {name!r} does not fit, it was "
                     f"written by a different model or optimizer: {'; '.join(misfits)}"
                 )
-            stored_names[name] = _stored_names(saved, list(expected))
         args = {
-            name: ocp.args.StandardRestore(_restore_target(template, stored_names[name]))
+            name: ocp.args.StandardRestore(_restore_target(template))
             for name, template in templates.items()
         }
         args[META_ITEM] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-        items = {
-            name: _rebuilt(template, restored[name], stored_names[name])
-            for name, template in templates.items()
-        }
+        items = {name: _rebuilt(template, restored[name]) for name, template in templates.items()}
         return items, dict(restored[META_ITEM])
 
     def close(self) -> None:
@@ -423,8 +398,7 @@ def checkpoint_contents(
       step: which checkpoint; default the latest.
 
     Returns:
-      item name -> array name (its key path) -> ``(dtype, shape)``; a checkpoint written before
-      names holds ``00000``, ``00001``, ... (see :class:`CheckpointStore`).
+      item name -> array name (its key path) -> ``(dtype, shape)``.
 
     Raises:
       FileNotFoundError: ``directory`` is not a folder or holds no checkpoint (at ``step``).
