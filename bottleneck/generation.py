@@ -189,8 +189,8 @@ def generate(
     Incremental: the prompt is fed once and each sampled token once (a recurrent state, or a
     key-value cache of ``P + num_tokens - 1`` positions), in one jitted program whose
     compilation is cached per model structure, shapes and ``num_tokens`` (not per sampling
-    option). Dropout
-    is off. The result is a function of ``key``: the same key gives the same tokens.
+    option). Dropout is off. The result is a function of ``key``: the same key gives the same
+    tokens.
 
     Example (in a notebook)::
 
