@@ -1,0 +1,143 @@
+"""The converged study's cost per head and bottleneck width d, on one machine in one run.
+
+``experiments/lm_study.py`` records each cell's seconds per epoch, but its cells ran over days,
+on more than one machine and beside other work, so those columns do not compare heads. This
+times one training step of every cell's model as the grid trains it (the study's Transformer
+trunk with the cell's head at width ``d``, AdamW with the cell's schedule, dropout on; built
+by ``experiments/language_model.py`` from ``lm_study.cell_config``) on one window of the
+study's shape (32 sequences x 64 tokens, PTB's 10,000 words), every candidate interleaved in
+one process (``benchmarks/_timing.py``). The table gives each cell's median milliseconds per
+step, its ratio to softmax at the same ``d`` (the median of per-repetition ratios), and the
+seconds of an epoch's training steps (the step times the windows of PTB's first epoch at
+seed 1; the validation pass after each epoch, about a twentieth of it, is not counted).
+
+Run from the repository root (about 5 minutes on 2 cores, alone on the machine):
+
+    python benchmarks/study_step.py [--heads softmax,mos] [--ds 16,32,64,128] [--repeats 5]
+        [--out benchmarks/results/study_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _timing import (
+    machine_info,
+    markdown_table,
+    median_ratio,
+    medians,
+    time_interleaved,
+    write_results,
+)
+from tqdm import tqdm
+
+from bottleneck.train import Trainer
+from bottleneck.train.lm import Window
+from experiments import language_model, lm_study
+
+VOCAB = 10_000
+# PTB's training split in tokens (ptb.train.txt's words and one end of sentence per line): the
+# length of the stream the study's windows are cut from.
+PTB_TRAIN_TOKENS = 929_589
+SEED = 1
+
+
+def step_call(head: str, d: int, window: Window) -> Callable[[], Any]:
+    """A zero-argument call running one training step of cell ``(head, d)``'s model."""
+    with tempfile.TemporaryDirectory() as folder:  # cell_config names folders; none is written
+        cell = lm_study.cell_config(lm_study.Config(out_dir=folder), head, d, SEED)
+    model = language_model.build_model(cell, VOCAB)
+    tx = cell.optimizer.transformation(plif=cell.head.uses_plif, total_steps=10_000)
+    trainer = Trainer(model, tx, seed=SEED)
+    carry = trainer.initial_carry(window.inputs.shape[0])
+
+    def call() -> Any:
+        # The metrics come out of the same compiled step as the new state: waiting on them
+        # waits for the whole step.
+        return trainer.window_step(carry, window, 1.0, averaging=False)[1]
+
+    return call
+
+
+def main() -> None:
+    study = lm_study.Config()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", default=",".join(study.heads))
+    parser.add_argument("--ds", default=",".join(map(str, study.ds)), help="comma-separated")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/study_step.json"))
+    args = parser.parse_args()
+    heads = [name.strip() for name in args.heads.split(",") if name.strip()]
+    if "softmax" not in heads:
+        parser.error("--heads must include softmax, the reference of the ratios")
+    for name in heads:
+        if name not in study.heads:
+            parser.error(f"unknown head {name!r}; choose from {', '.join(study.heads)}")
+    try:
+        ds = [int(d) for d in args.ds.split(",")]
+    except ValueError:
+        parser.error(f"--ds must be comma-separated integers, got {args.ds!r}")
+    if any(d < 1 for d in ds):
+        parser.error(f"--ds must be >= 1, got {args.ds!r}")
+
+    data = study.trunk.data
+    steps_per_epoch = data.steps_per_epoch(np.zeros(PTB_TRAIN_TOKENS, np.int32), SEED)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (data.batch_size, data.bptt + 1))
+    window = Window(
+        inputs=tokens[:, :-1].astype(np.int32),
+        targets=tokens[:, 1:].astype(np.int32),
+        length=np.int32(data.bptt),
+    )
+    calls = {f"{head}@{d}": step_call(head, d, window) for d in ds for head in heads}
+    with tqdm(total=len(calls) * (args.repeats + 1), desc="study steps") as progress:
+        times = time_interleaved(calls, args.repeats, on_call=progress.update)
+    ms = medians(times)
+    ratios = {
+        name: median_ratio(times[name], times[f"softmax@{name.split('@')[1]}"]) for name in calls
+    }
+    rows = [
+        [
+            d,
+            head,
+            f"{ms[f'{head}@{d}']:.0f}",
+            f"{ratios[f'{head}@{d}']:.2f}",
+            f"{ms[f'{head}@{d}'] * steps_per_epoch / 1e3:.0f}",
+        ]
+        for d in ds
+        for head in heads
+    ]
+    markdown = (
+        f"# The study's training step per head and d ({data.batch_size} x {data.bptt} tokens, "
+        f"{VOCAB} words)\n\nMedian ms per step over {args.repeats} interleaved repetitions; x "
+        f"softmax: median ratio to softmax's step at the same d; s/epoch: the step times "
+        f"{steps_per_epoch} windows (PTB's first epoch at seed {SEED}), validation not "
+        "counted.\n\n" + markdown_table(["d", "head", "ms/step", "x softmax", "s/epoch"], rows)
+    )
+    write_results(
+        args.out,
+        {
+            "heads": heads,
+            "ds": ds,
+            "batch_size": data.batch_size,
+            "bptt": data.bptt,
+            "vocab": VOCAB,
+            "steps_per_epoch": steps_per_epoch,
+            "median_ms": ms,
+            "ratio_to_softmax": ratios,
+            "times_ms": times,
+            "trunk": dataclasses.asdict(study.trunk.model),
+            "machine": machine_info(),
+        },
+        markdown,
+    )
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
