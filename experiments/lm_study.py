@@ -45,8 +45,8 @@ that fails (say, diverges) is recorded with its error and the grid goes on; reru
 
 Writes to --out_dir: config.json; study.json / study.csv (one row per cell: valid / test
 perplexity, epochs, stopping reason, convergence, seconds, parameters, the validation curve, the
-code's commit), study.md (mean +- std per head x d and the gain over softmax),
-test_ppl_vs_d.png, learning_curves.png, and for ``--rank_d`` the numerical / effective rank of
+code's commit), study.md (mean +- std per head x d and the gain over softmax, seed by seed),
+test_ppl_vs_d.png (perplexity and the gain over softmax against d), learning_curves.png, and for ``--rank_d`` the numerical / effective rank of
 each head's test log-probabilities (``rank/<head>/``, via ``experiments/rank.py --mode model``;
 ``ranks`` in study.json).
 """
@@ -405,7 +405,10 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
     done = [r for r in rows if r["status"] == "done"]
     table = []
     for d in config.ds:
-        base = [r["test_ppl"] for r in done if r["head"] == "softmax" and r["d"] == d]
+        base_by_seed = {
+            r["seed"]: r["test_ppl"] for r in done if r["head"] == "softmax" and r["d"] == d
+        }
+        base = list(base_by_seed.values())
         for head in config.heads:
             cells = [r for r in done if r["head"] == head and r["d"] == d]
             if not cells:
@@ -429,8 +432,25 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
                 gain = float(np.mean(base)) - entry["test_ppl"]
                 entry["gain_ppl"] = gain
                 entry["gain_pct"] = 100.0 * gain / float(np.mean(base))
+                entry.update(_paired_gains(cells, base_by_seed))
             table.append(entry)
     return table
+
+
+def _paired_gains(cells: list[dict[str, Any]], base_by_seed: dict[int, float]) -> dict[str, Any]:
+    """The gain over softmax seed by seed (the heads of one seed share its data order): the
+    spread of the per-seed gains in % (``None`` below two seeds) and how many seeds the head
+    beats softmax in, of those where both finished."""
+    gains = [
+        100.0 * (base_by_seed[r["seed"]] - r["test_ppl"]) / base_by_seed[r["seed"]]
+        for r in cells
+        if r["seed"] in base_by_seed
+    ]
+    return {
+        "gain_pct_std": float(np.std(gains, ddof=1)) if len(gains) > 1 else None,
+        "better_seeds": sum(g > 0 for g in gains),
+        "paired_seeds": len(gains),
+    }
 
 
 def title(config: Config, rows: list[dict[str, Any]]) -> str:
@@ -448,7 +468,9 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
     trunk, decimals = config.trunk, _decimals(table)
     lines = [
         "Test perplexity of the best-validation model, mean ± std over seeds; gain = softmax's "
-        "mean test perplexity at the same d minus the head's (positive: better than softmax). "
+        "mean test perplexity at the same d minus the head's (positive: better than softmax); "
+        "its ± is the std of the per-seed gains (a head and softmax of one seed share its data "
+        "order), and 'better in' counts the seeds in which the head beats softmax. "
         f"Budget {trunk.training.epochs} epochs per cell, early stopping with patience "
         f"{trunk.training.patience}; "
         "'stopped early' counts the seeds whose validation perplexity stopped improving before "
@@ -486,7 +508,8 @@ def _table_row(e: dict[str, Any], decimals: int) -> dict[str, Any]:
         "head": e["head"],
         "test ppl": f"{e['test_ppl']:.{decimals}f}{std}",
         "gain (ppl)": f"{e['gain_ppl']:+.{decimals}f}" if "gain_ppl" in e else "—",
-        "gain (%)": f"{e['gain_pct']:+.2f}" if "gain_pct" in e else "—",
+        "gain (%)": _gain_pct_text(e),
+        "better in": f"{e['better_seeds']}/{e['paired_seeds']}" if "gain_pct" in e else "—",
         "valid ppl": f"{e['valid_ppl']:.{decimals}f}",
         "epochs": round(e["epochs"], 1),
         "stopped early": f"{e['early_stopped']}/{e['seeds']}",
@@ -496,8 +519,18 @@ def _table_row(e: dict[str, Any], decimals: int) -> dict[str, Any]:
     }
 
 
+def _gain_pct_text(e: dict[str, Any]) -> str:
+    if "gain_pct" not in e:
+        return "—"
+    std = f" ± {e['gain_pct_std']:.2f}" if e["gain_pct_std"] is not None else ""
+    return f"{e['gain_pct']:+.2f}{std}"
+
+
 def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    """Test perplexity against d (left) and each head's gain over softmax at the same d (right),
+    a line per head, error bars the std over seeds (of the per-seed gains on the right)."""
+    fig, (ax, gain_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {head: f"C{i}" for i, head in enumerate(config.heads)}
     for head in config.heads:
         entries = [e for e in table if e["head"] == head]
         if not entries:
@@ -508,14 +541,31 @@ def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
             yerr=[e["test_std"] or 0.0 for e in entries],
             marker="o",
             capsize=3,
+            color=colors[head],
             label=head,
         )
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(config.ds), [str(d) for d in config.ds])
-    ax.set_xlabel("d (head input width: the bottleneck)")
+        gains = [e for e in entries if "gain_pct" in e]
+        if not gains:
+            continue
+        gain_ax.errorbar(
+            [e["d"] for e in gains],
+            [e["gain_pct"] for e in gains],
+            yerr=[e["gain_pct_std"] or 0.0 for e in gains],
+            marker="o",
+            capsize=3,
+            color=colors[head],
+            label=head,
+        )
+    gain_ax.axhline(0.0, color="0.3", lw=1, ls="--", label="softmax")
     ax.set_ylabel("test perplexity (mean ± std over seeds)")
     ax.set_title(f"{config.trunk.data.corpus}: perplexity against the bottleneck width")
-    ax.grid(alpha=0.3)
+    gain_ax.set_ylabel("gain over softmax at the same d (%; ± std over seeds)")
+    gain_ax.set_title("better than softmax above the line")
+    for axis in (ax, gain_ax):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(list(config.ds), [str(d) for d in config.ds])
+        axis.set_xlabel("d (head input width: the bottleneck)")
+        axis.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -240,6 +240,34 @@ def test_bad_flags_exit_with_a_clear_message(args, message, tmp_path, capsys):
     assert line.startswith("lm_study.py: error: ") and message in line
 
 
+def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
+    """Each head's gain over softmax is compared seed by seed (they share the data order): the
+    spread is the std of the per-seed gains, not of the head's own perplexities."""
+    config = lm_study.Config(heads=("softmax", "mos"), ds=(16,), seeds=(1, 2, 3, 4))
+
+    def row(head, seed, ppl):
+        return {"head": head, "d": 16, "seed": seed, "status": "done", "test_ppl": ppl,
+                "valid_ppl": ppl, "epochs": 5, "stop_reason": "early stopping",
+                "converged": True, "seconds_per_epoch": 1.0, "params": 10}  # fmt: skip
+
+    softmax, mos = [100.0, 110.0, 120.0], [99.0, 108.0, 121.0]
+    rows = [row("softmax", s, p) for s, p in zip((1, 2, 3), softmax, strict=True)]
+    rows += [row("mos", s, p) for s, p in zip((1, 2, 3), mos, strict=True)]
+    rows.append(row("mos", 4, 105.0))  # no softmax cell of seed 4: in the mean, not the pairs
+    table = lm_study.summarize(rows, config)
+    (entry,) = [e for e in table if e["head"] == "mos"]
+    per_seed = 100 * (np.array(softmax) - np.array(mos)) / np.array(softmax)
+    np.testing.assert_allclose(entry["gain_pct_std"], np.std(per_seed, ddof=1), rtol=1e-12)
+    assert (entry["better_seeds"], entry["paired_seeds"]) == (2, 3)
+    np.testing.assert_allclose(
+        entry["gain_pct"], 100 * (np.mean(softmax) - np.mean(mos + [105.0])) / np.mean(softmax)
+    )
+    text = lm_study.markdown(table, rows, config)
+    assert f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}" in text and "| 2/3 " in text
+    lm_study.plot_vs_d(table, config, tmp_path / "vs_d.png")
+    assert (tmp_path / "vs_d.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke, tmp_path):
     reference, _ = smoke
     out = tmp_path / "report"
