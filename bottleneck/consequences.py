@@ -216,15 +216,24 @@ def estimate_hidden_size(log_probs: Any, *, tol: float | None = None) -> int:
     when the hidden states span ``R^d`` and ``1`` is not in the column space of ``W``
     (Finlayson et al. 2024, §3: outputs lie in a ``d``-dimensional subspace after the clr
     transform; Carlini et al. 2024, §4.1: the singular values of stacked logits drop after ``d``).
-    This returns the number of singular values of ``Y`` above ``tol``; the default scales
-    ``bn.numerical_rank``'s Numerical Recipes threshold by the *input's* largest singular value
-    rather than ``Y``'s, since the round-off of float log-probabilities grows with their size:
+    This returns the number of singular values of ``Y`` above ``tol``, by default the largest
+    amount the round-off of the input can move any of them:
 
-    .. math:: \text{tol} = \tfrac12 \sqrt{N + M + 1}\; \sigma_{\max}(\log p)\; \epsilon_{\text{dtype}}
+    .. math:: \text{tol} = \epsilon_{\text{dtype}}\, \lVert \log p \rVert_F
 
-    (:math:`\epsilon` of the input's dtype, float32's for lower precisions). The answer is at most
-    ``min(N, M) - 1``, which is what a full-rank stack gives: ``N >= d + 2`` rows are needed to
-    see ``d``, and an answer equal to ``N - 1`` means "at least".
+    (:math:`\epsilon` of the input's dtype, float32's for lower precisions). Entries accurate to
+    their dtype are off by :math:`E` with :math:`\lVert E\rVert_F \le \epsilon \lVert \log p
+    \rVert_F`; centring projects orthogonally on both sides, so by Weyl's inequality no singular
+    value of ``Y`` moves by more. The round-off of float32 log-probs computed by a softmax stays
+    10–60 times below this bound in the tests, and a trained head's hidden states may barely vary
+    along some of their ``d`` directions: in the converged study's softmax head at d = 128
+    (2,048 positions, 10,000 words) the smallest signal singular value is 6 times the bound, the
+    round-off 1/45 of it. (Numerical Recipes' threshold
+    :math:`\tfrac12\sqrt{N+M+1}\,\sigma_{\max}\,\epsilon`, used here before, bounds an SVD's
+    own round-off, done here in float64; 55 times larger there, it found 123 of the 128.) The
+    answer is at most ``min(N, M) - 1``, which is
+    what a full-rank stack gives: ``N >= d + 2`` rows are needed to see ``d``, and an answer
+    equal to ``N - 1`` means "at least".
 
     Example:
       >>> import numpy as np, bottleneck as bn
@@ -252,7 +261,7 @@ def estimate_hidden_size(log_probs: Any, *, tol: float | None = None) -> int:
     s = np.linalg.svd(y, compute_uv=False)
     if tol is None:
         eps = np.finfo(dtype if np.finfo(dtype).bits >= 32 else np.float32).eps
-        tol = 0.5 * np.sqrt(N + M + 1) * np.linalg.norm(x, 2) * eps
+        tol = eps * np.linalg.norm(x)  # Frobenius
     else:
         tol = require_finite_number("tol", tol, positive=False)
     return int(np.sum(s > tol))

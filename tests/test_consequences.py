@@ -100,6 +100,29 @@ def test_hidden_size_of_float32_softmax_heads(d, bias):
     assert bn.estimate_hidden_size(np.asarray(log_probs, np.float64)) > d
 
 
+@pytest.mark.parametrize("dead", [0, 3])
+def test_hidden_size_when_the_hidden_states_barely_vary_along_some_directions(dead):
+    """Trained hidden states can vary 1e5 times less along some directions than along others:
+    those directions are still d's, and float32 round-off is still not; directions along which
+    they do not vary at all (``dead``) are not counted."""
+    rng = np.random.default_rng(dead)
+    d, N, M = 24, 512, 2000
+    spread = np.logspace(-5, 0, d)  # per-direction std of the hidden states
+    spread[10 : 10 + dead] = 0.0
+    rotation = np.linalg.qr(rng.normal(size=(d, d)))[0]  # no axis is special
+    hidden = rng.normal(size=(N, d)) * spread @ rotation
+    W, b = rng.normal(size=(M, d)), 2.0 * rng.normal(size=M)
+    log_probs = jax.nn.log_softmax(jnp.asarray(hidden @ W.T + b, jnp.float32))
+    assert bn.estimate_hidden_size(log_probs) == d - dead
+    # The case is one that a threshold scaled as Numerical Recipes' (55 times larger) undercounts.
+    x = np.asarray(log_probs, np.float64)
+    y = x - x.mean(1, keepdims=True)
+    y -= y.mean(0, keepdims=True)
+    s = np.linalg.svd(y, compute_uv=False)
+    recipes = 0.5 * np.sqrt(N + M + 1) * np.linalg.norm(x, 2) * np.finfo(np.float32).eps
+    assert np.sum(s > recipes) < d - dead
+
+
 def test_hidden_size_of_a_full_rank_stack_and_an_explicit_tolerance():
     rng = np.random.default_rng(0)
     assert bn.estimate_hidden_size(rng.normal(size=(20, 50))) == 19
