@@ -228,7 +228,7 @@ def estimate_hidden_size(log_probs: Any, *, tol: float | None = None) -> int:
     10–60 times below this bound in the tests, and a trained head's hidden states may barely vary
     along some of their ``d`` directions: in the converged study's softmax head at d = 128
     (2,048 positions, 10,000 words) the smallest signal singular value is 6 times the bound, the
-    round-off 1/45 of it. (Numerical Recipes' threshold
+    round-off 1/46 of it. (Numerical Recipes' threshold
     :math:`\tfrac12\sqrt{N+M+1}\,\sigma_{\max}\,\epsilon`, used here before, bounds an SVD's
     own round-off, done here in float64; 55 times larger there, it found 123 of the 128.) The
     answer is at most ``min(N, M) - 1``, which is
