@@ -533,29 +533,21 @@ def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
     colors = {head: f"C{i}" for i, head in enumerate(config.heads)}
     for head in config.heads:
         entries = [e for e in table if e["head"] == head]
-        if not entries:
-            continue
-        ax.errorbar(
-            [e["d"] for e in entries],
-            [e["test_ppl"] for e in entries],
-            yerr=[e["test_std"] or 0.0 for e in entries],
-            marker="o",
-            capsize=3,
-            color=colors[head],
-            label=head,
-        )
         gains = [e for e in entries if "gain_pct" in e]
-        if not gains:
-            continue
-        gain_ax.errorbar(
-            [e["d"] for e in gains],
-            [e["gain_pct"] for e in gains],
-            yerr=[e["gain_pct_std"] or 0.0 for e in gains],
-            marker="o",
-            capsize=3,
-            color=colors[head],
-            label=head,
-        )
+        for axis, rows, value, spread in (
+            (ax, entries, "test_ppl", "test_std"),
+            (gain_ax, gains, "gain_pct", "gain_pct_std"),
+        ):
+            if rows:
+                axis.errorbar(
+                    [e["d"] for e in rows],
+                    [e[value] for e in rows],
+                    yerr=[e[spread] or 0.0 for e in rows],
+                    marker="o",
+                    capsize=3,
+                    color=colors[head],
+                    label=head,
+                )
     gain_ax.axhline(0.0, color="0.3", lw=1, ls="--", label="softmax")
     ax.set_ylabel("test perplexity (mean ± std over seeds)")
     ax.set_title(f"{config.trunk.data.corpus}: perplexity against the bottleneck width")
