@@ -231,9 +231,8 @@ def estimate_hidden_size(log_probs: Any, *, tol: float | None = None) -> int:
     round-off 1/46 of it. (Numerical Recipes' threshold
     :math:`\tfrac12\sqrt{N+M+1}\,\sigma_{\max}\,\epsilon`, used here before, bounds an SVD's
     own round-off, done here in float64; 55 times larger there, it found 123 of the 128.) The
-    answer is at most ``min(N, M) - 1``, which is
-    what a full-rank stack gives: ``N >= d + 2`` rows are needed to see ``d``, and an answer
-    equal to ``N - 1`` means "at least".
+    answer is at most ``min(N, M) - 1``, which is what a full-rank stack gives: ``N >= d + 2``
+    rows are needed to see ``d``, and an answer equal to ``N - 1`` means "at least".
 
     Example:
       >>> import numpy as np, bottleneck as bn

@@ -46,9 +46,9 @@ that fails (say, diverges) is recorded with its error and the grid goes on; reru
 Writes to --out_dir: config.json; study.json / study.csv (one row per cell: valid / test
 perplexity, epochs, stopping reason, convergence, seconds, parameters, the validation curve, the
 code's commit), study.md (mean +- std per head x d and the gain over softmax, seed by seed),
-test_ppl_vs_d.png (perplexity and the gain over softmax against d), learning_curves.png, and for ``--rank_d`` the numerical / effective rank of
-each head's test log-probabilities (``rank/<head>/``, via ``experiments/rank.py --mode model``;
-``ranks`` in study.json).
+test_ppl_vs_d.png (perplexity and the gain over softmax against d), learning_curves.png, and
+for ``--rank_d`` the numerical / effective rank of each head's test log-probabilities
+(``rank/<head>/``, via ``experiments/rank.py --mode model``; ``ranks`` in study.json).
 """
 
 from __future__ import annotations
