@@ -293,7 +293,7 @@ def converged(stop_reason: str, valid_ppls: list[float]) -> bool:
     """The study's criterion: stopped early, or the last 3 epochs improved validation < 0.5%.
 
     Example:
-      >>> converged("epoch budget (6)", [300.0, 200.0, 150.0, 149.0, 148.9, 148.8])
+      >>> converged("epoch budget (6)", [300.0, 200.0, 150.0, 149.8, 149.6, 149.5])
       True
       >>> converged("epoch budget (4)", [300.0, 200.0, 150.0, 140.0])
       False
