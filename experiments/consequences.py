@@ -19,10 +19,18 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
 * ``gradient_ratio_median``: the median over those positions of
   :func:`bottleneck.head_gradient_ratio`, the share of the loss gradient at the head's output
   that reaches its input (Godey & Artzi 2026), for the trained model.
+* ``test_nll_by_train_count``: where on the test set a head gains or loses against another: the
+  mean NLL (nats) over all of the test set's whole windows, split by how often each target word
+  occurs in the training data (``0-9``, ``10-99``, ``100-999``, ``1000+`` times), each with its
+  number of positions, and over all of them (``all``; the test loss, up to how the run's own
+  evaluation cuts the stream into windows). A head that pushes the tail of its distributions
+  down (sigsoftmax's ``exp(z) sigmoid(z)`` falls like ``exp(2z)`` for very negative ``z``) pays
+  for it on the words rarely seen in training.
 
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
 folder) and the same rows as a Markdown table beside it (``.md``), both rewritten as each run is
-measured, and prints the table; each row names its run folder (``run``), times the exact LPs
+measured, and prints the tables (the NLL by training count as ``NLL (minus softmax's at the same
+d and seed)``); each row names its run folder (``run``), times the exact LPs
 (``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
 grid's rows call by call (``experiments/lm_study_grid.sh`` measures each cell as it lands): the
 rows it holds for other run folders are kept, and a run measured again replaces its row.
@@ -57,6 +65,9 @@ TABLE_COLUMNS = (
     "gradient_ratio_median", "positions",
     "unargmaxable_seconds", "commit",
 )  # fmt: skip
+
+#: Upper edges of the training-count groups of ``test_nll_by_train_count``.
+TRAIN_COUNT_EDGES = (10, 100, 1000)
 
 MERGED_NOTE = (
     "Rows gathered call by call (`--merge`); a row's `commit` is the code that measured it."
@@ -106,6 +117,60 @@ def validation_windows(
     return inputs, targets
 
 
+@nnx.jit
+def _target_nll(model: Any, windows: jax.Array, targets: jax.Array) -> jax.Array:
+    log_probs = model.head(head_inputs(model, windows))
+    return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+
+
+def count_groups(edges: tuple[int, ...] = TRAIN_COUNT_EDGES) -> list[str]:
+    """The names of the training-count groups that ``edges`` bound: ``0-9``, ..., ``1000+``."""
+    lows = (0, *edges[:-1])
+    return [f"{lo}-{hi - 1}" for lo, hi in zip(lows, edges, strict=True)] + [f"{edges[-1]}+"]
+
+
+def nll_by_train_count(
+    model: Any,
+    tokens: np.ndarray,
+    train_counts: np.ndarray,
+    bptt: int,
+    *,
+    edges: tuple[int, ...] = TRAIN_COUNT_EDGES,
+    windows_per_call: int = 16,
+) -> dict[str, dict[str, Any]]:
+    """Mean NLL (nats) of a model's predictions of ``tokens`` (every whole window of ``bptt``,
+    each read from its own start), grouped by how often each target occurs in training.
+
+    Args:
+      model: a language model as :func:`experiments.generate.load_run` returns it.
+      tokens: a token stream ``[n]`` (the test set).
+      train_counts: each word's count in the training data ``[vocab]``.
+      bptt: the window length.
+      edges: the groups' upper edges (exclusive), increasing: ``(10, 100)`` makes ``0-9``,
+        ``10-99`` and ``100+``.
+      windows_per_call: windows evaluated at once (each holds ``[bptt, vocab]`` log-probs).
+
+    Returns:
+      ``{group: {"nll": mean, "positions": count}}`` for each group of :func:`count_groups` and
+      ``"all"``; a group with no position has ``nll`` None.
+    """
+    windows, targets = validation_windows(tokens, len(tokens), bptt, flag="the test set")
+    nll = np.concatenate([
+        np.asarray(_target_nll(
+            model, jnp.asarray(windows[i : i + windows_per_call]),
+            jnp.asarray(targets[i : i + windows_per_call]),
+        ), np.float64).reshape(-1)
+        for i in range(0, len(windows), windows_per_call)
+    ])  # fmt: skip
+    group = np.searchsorted(np.asarray(edges), train_counts[targets.reshape(-1)], side="right")
+    result = {}
+    for i, name in enumerate([*count_groups(edges), "all"]):
+        chosen = nll if name == "all" else nll[group == i]
+        mean = float(chosen.mean()) if chosen.size else None
+        result[name] = {"nll": mean, "positions": int(chosen.size)}
+    return result
+
+
 def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
     """The statistics of the module docstring for one run."""
     config, vocabulary, model = load_run(run_dir)
@@ -127,6 +192,7 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
         "run": Path(run_dir).name,
         "run_dir": run_dir,
         "head": config.head.name,
+        "seed": config.seed,
         "latent": config.head.latent if head.is_mixture else None,
         "d": int(head.in_features),
         "vocab_size": vocab_size,
@@ -139,8 +205,50 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
         "hidden_size_estimate": bn.estimate_hidden_size(jnp.asarray(log_probs)),
         "gradient_ratio_median": float(np.median(ratios)),
         "positions": int(log_probs.shape[0]),
+        "test_nll_by_train_count": nll_by_train_count(
+            model, np.asarray(corpus.test), counts, config.data.bptt
+        ),
         "commit": code_commit(),
     }
+
+
+def count_table(rows: list[dict[str, Any]]) -> str:
+    """The rows' ``test_nll_by_train_count`` as a Markdown section: each group's mean NLL and, in
+    brackets, minus softmax's where ``rows`` hold softmax's run at the same d, seed and
+    vocabulary (on the same positions); empty if no row has it."""
+    measured = [row for row in rows if "test_nll_by_train_count" in row]
+    if not measured:
+        return ""
+
+    def key(row: dict[str, Any]) -> tuple[int, int, int]:
+        return row["d"], row["seed"], row["vocab_size"]
+
+    softmax = {key(row): row for row in measured if row["head"] == "softmax"}
+    cells = []
+    for row in measured:
+        base = softmax.get(key(row)) if row["head"] != "softmax" else None
+        line = {"run": row["run"]}
+        for name, group in row["test_nll_by_train_count"].items():
+            line[name] = None if group["nll"] is None else f"{group['nll']:.3f}"
+            other = None if base is None else base["test_nll_by_train_count"][name]
+            if line[name] and other and other["nll"] is not None:
+                if other["positions"] == group["positions"]:  # the same windows
+                    line[name] += f" ({group['nll'] - other['nll']:+.3f})"
+        cells.append(line)
+    counts = "; ".join(dict.fromkeys(  # each distinct grouping once, in order
+        f"vocabulary {row['vocab_size']:,}: " + ", ".join(
+            f"{name}: {group['positions']:,}"
+            for name, group in row["test_nll_by_train_count"].items()
+        )
+        for row in measured
+    ))  # fmt: skip
+    return (
+        "## Test NLL by the target word's training count\n\n"
+        "Mean NLL (nats) over the test set's whole windows, grouped by how often the target "
+        "word occurs in the training data; in brackets, minus softmax's at the same d and seed "
+        f"(negative: the head does better there). Positions per group ({counts}).\n\n"
+        + markdown_table(cells)
+    )
 
 
 def earlier_rows(out: Path) -> list[dict[str, Any]]:
@@ -175,6 +283,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             # Both files after each run (minutes each): an interrupted call keeps the rows it
             # measured, and the table always shows the JSON's rows, no more.
             table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")
+            table = f"{table}\n\n{count_table(rows)}"
             out.write_text(json.dumps(rows, indent=1) + "\n")
             body = f"{MERGED_NOTE}\n\n{table}" if config.merge else table
             out.with_suffix(".md").write_text(results_page(PAGE_TITLE, body))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -42,7 +43,7 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
     assert json.loads(out.read_text()) == rows
     page = (tmp_path / "c.md").read_text().splitlines()
     assert page[0].startswith("# Beyond rank") and page[2].startswith("Written by `python ")
-    table = page[4:]
+    table = page[4 : page.index("", 4)]
     assert len(table) == 2 + len(rows) and table[0].split("|")[1].strip() == "run"
     softmax, mos = rows
     assert softmax["unargmaxable_seconds"] > 0
@@ -59,6 +60,62 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
     for row in rows:
         assert 0.0 <= row["unargmaxable_train_share"] <= 1.0
         assert 1 <= row["hidden_size_estimate"] <= min(row["positions"], m)
+
+
+def test_nll_by_train_count_matches_a_direct_computation(runs):
+    config, vocabulary, model = load_run(str(runs["mos"]))
+    corpus = config.data.load(str(runs["mos"]))
+    train, test, bptt = np.asarray(corpus.train), np.asarray(corpus.test), config.data.bptt
+    counts = np.bincount(train, minlength=len(vocabulary))
+    edges = (2, 3)  # the smoke corpus's training counts are 1 to 3
+    groups = consequences.nll_by_train_count(
+        model, test, counts, bptt, edges=edges, windows_per_call=2
+    )
+    assert list(groups) == ["0-1", "2-2", "3+", "all"]
+    # Reference: the model's own forward pass window by window, each target sorted by hand.
+    nll: dict[str, list[float]] = {name: [] for name in groups}
+    for start in range(0, (len(test) - 1) // bptt * bptt, bptt):
+        log_probs = np.asarray(model(jnp.asarray(test[None, start : start + bptt])))[0]
+        for t, target in enumerate(test[start + 1 : start + bptt + 1]):
+            count = counts[target]
+            name = "0-1" if count < 2 else "2-2" if count < 3 else "3+"
+            for group in (name, "all"):
+                nll[group].append(-float(log_probs[t, target]))
+    assert sum(len(values) > 0 for values in nll.values()) >= 3  # two groups and "all"
+    for name, values in nll.items():
+        assert groups[name]["positions"] == len(values)
+        if values:
+            np.testing.assert_allclose(groups[name]["nll"], np.mean(values), rtol=1e-5)
+        else:
+            assert groups[name]["nll"] is None
+
+
+def test_count_table_pairs_each_head_with_softmax_at_the_same_d_and_seed():
+    def row(run, head, d, seed, nll, positions=(5, 7)):
+        groups = {"0-9": {"nll": nll[0], "positions": positions[0]},
+                  "10+": {"nll": nll[1], "positions": positions[1]}}  # fmt: skip
+        return {"run": run, "head": head, "d": d, "seed": seed, "vocab_size": 50,
+                "test_nll_by_train_count": groups}  # fmt: skip
+
+    rows = [
+        row("softmax-d8-s1", "softmax", 8, 1, (4.0, 2.0)),
+        row("plif-d8-s1", "plif", 8, 1, (3.5, 2.25)),
+        row("plif-d8-s2", "plif", 8, 2, (3.0, 2.0)),  # no softmax of seed 2
+        row("mos-d8-s1", "mos", 8, 1, (5.0, 1.0), positions=(6, 6)),  # other positions
+        {"run": "old", "head": "softmax", "d": 8, "vocab_size": 50},  # measured before
+    ]
+    lines = consequences.count_table(rows).splitlines()
+    assert lines[0] == "## Test NLL by the target word's training count"
+    assert "(vocabulary 50: 0-9: 5, 10+: 7; vocabulary 50: 0-9: 6, 10+: 6)." in lines[2]
+    body = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[4:]]
+    assert body[0] == ["run", "0-9", "10+"]
+    assert body[2:] == [
+        ["softmax-d8-s1", "4.000", "2.000"],
+        ["plif-d8-s1", "3.500 (-0.500)", "2.250 (+0.250)"],
+        ["plif-d8-s2", "3.000", "2.000"],
+        ["mos-d8-s1", "5.000", "1.000"],
+    ]
+    assert consequences.count_table(rows[-1:]) == ""
 
 
 def test_missing_run_dirs_is_a_usage_error(capsys):
@@ -80,7 +137,8 @@ def test_rows_measured_before_a_failure_are_kept(runs, tmp_path):
     assert exit_info.value.code != 0
     (row,) = json.loads(out.read_text())
     assert row["run_dir"] == str(runs["softmax"]) and row["head"] == "softmax"
-    table = (tmp_path / "c.md").read_text().splitlines()[4:]
+    page = (tmp_path / "c.md").read_text().splitlines()
+    table = page[4 : page.index("", 4)]
     assert len(table) == 3 and table[2].split("|")[1].strip() == "softmax"
 
 
@@ -98,7 +156,7 @@ def test_merge_keeps_other_runs_rows_and_replaces_a_run_measured_again(runs, tmp
         ("mos", -2),
     ]
     page = (tmp_path / "c.md").read_text().splitlines()
-    assert page[4].startswith("Rows gathered call by call") and len(page[6:]) == 2 + 2
+    assert page[4].startswith("Rows gathered call by call") and page.index("", 6) == 6 + 2 + 2
     # Without --merge the file holds this call's rows only.
     (row,) = consequences.main(["--run_dirs", str(runs["mos"]), *args])
     assert [r["run"] for r in json.loads(out.read_text())] == ["mos"]
