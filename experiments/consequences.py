@@ -58,7 +58,10 @@ from bottleneck.train.run_folder import results_page
 from experiments.generate import load_run
 from experiments.logit_spread import head_inputs
 
-PAGE_TITLE = "Beyond rank: unargmaxable tokens, hidden size and gradient share of trained runs"
+PAGE_TITLE = (
+    "Beyond rank: unargmaxable tokens, hidden size, gradient share and NLL by word frequency of "
+    "trained runs"
+)
 TABLE_COLUMNS = (
     "run", "head", "d", "vocab_size", "unargmaxable", "unargmaxable_train_share",
     "unargmaxable_seen_as_argmax", "distinct_argmaxes", "hidden_size_estimate",
