@@ -80,6 +80,31 @@ def test_readme_beyond_rank_counts_are_the_committed_results():
     )
 
 
+def test_readme_rare_word_shares_are_the_committed_results():
+    rows = {
+        r["head"]: r["test_nll_by_train_count"]
+        for r in json.loads((RESULTS / "consequences-ptb-transformer.json").read_text())
+        if r["run"].endswith("-d128-s1") and "test_nll_by_train_count" in r
+    }
+    softmax, rare = rows["softmax"], ("0-9", "10-99")
+
+    def rare_share(head: str) -> float:  # of the head's deficit in total test NLL
+        def excess(group: str) -> float:
+            return rows[head][group]["positions"] * (
+                rows[head][group]["nll"] - softmax[group]["nll"]
+            )
+
+        return sum(excess(g) for g in rare) / excess("all")
+
+    text = " ".join(README.read_text().split())
+    assert all(rows[h]["all"]["nll"] > softmax["all"]["nll"] for h in ("sigsoftmax", "plif", "mos"))
+    assert f"{rare_share('sigsoftmax'):.0%} of sigsoftmax's deficit" in text
+    assert min(rare_share("plif"), rare_share("mos")) >= 1
+    assert "and all of PLIF's and MoS's comes from them" in text
+    positions = sum(softmax[g]["positions"] for g in rare) / softmax["all"]["positions"]
+    assert f"they are {positions:.0%} of the test positions" in text
+
+
 def test_readme_negative_control_is_the_committed_rows():
     """The README's control sentence against docs/results/ptb-transformer-control.csv."""
     test_ppl: dict[str, list[float]] = {}
