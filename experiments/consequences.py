@@ -157,7 +157,7 @@ def nll_by_train_count(
       ``{group: {"nll": mean, "positions": count}}`` for each group of :func:`count_groups` and
       ``"all"``; a group with no position has ``nll`` None.
     """
-    windows, targets = validation_windows(tokens, len(tokens), bptt, flag="the test set")
+    windows, targets = validation_windows(tokens, len(tokens), bptt, flag="the test set's length")
     nll = np.concatenate([
         np.asarray(_target_nll(
             model, jnp.asarray(windows[i : i + windows_per_call]),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import bottleneck as bn
+from bottleneck.train import UsageError
 from experiments import consequences
 from experiments.generate import load_run
 
@@ -88,6 +89,15 @@ def test_nll_by_train_count_matches_a_direct_computation(runs):
             np.testing.assert_allclose(groups[name]["nll"], np.mean(values), rtol=1e-5)
         else:
             assert groups[name]["nll"] is None
+
+
+def test_nll_by_train_count_refuses_a_test_set_without_a_whole_window(runs):
+    _, vocabulary, model = load_run(str(runs["softmax"]))
+    counts = np.ones(len(vocabulary), int)
+    with pytest.raises(
+        UsageError, match="the test set's length 11 holds no whole window of bptt 20"
+    ):
+        consequences.nll_by_train_count(model, np.arange(11) % len(vocabulary), counts, 20)
 
 
 def test_count_table_pairs_each_head_with_softmax_at_the_same_d_and_seed():
