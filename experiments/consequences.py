@@ -23,9 +23,9 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
   mean NLL (nats) over all of the test set's whole windows, split by how often each target word
   occurs in the training data (``0-9``, ``10-99``, ``100-999``, ``1000+`` times), each with its
   number of positions, and over all of them (``all``; the test loss, up to how the run's own
-  evaluation cuts the stream into windows). A head that pushes the tail of its distributions
-  down (sigsoftmax's ``exp(z) sigmoid(z)`` falls like ``exp(2z)`` for very negative ``z``) pays
-  for it on the words rarely seen in training.
+  evaluation cuts the stream into windows). Paired with softmax's at the same d and seed, it
+  shows on which words a head wins or loses (docs/beyond_rank.md: at d = 128, sigsoftmax, PLIF
+  and MoS lose on the words seen fewer than 100 times).
 
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
 folder) and the same rows as a Markdown table beside it (``.md``), both rewritten as each run is
