@@ -30,7 +30,8 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
 folder) and the same rows as a Markdown table beside it (``.md``), both rewritten as each run is
 measured, and prints the tables (the NLL by training count as ``NLL (minus softmax's at the same
-d and seed)``); each row names its run folder (``run``), times the exact LPs
+d and seed)``); where a head is paired with softmax so, a plot beside them (``.png``) shows how
+its gap to softmax splits over the groups (:func:`count_gaps`); each row names its run folder (``run``), times the exact LPs
 (``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
 grid's rows call by call (``experiments/lm_study_grid.sh`` measures each cell as it lands): the
 rows it holds for other run folders are kept, and a run measured again replaces its row.
@@ -48,6 +49,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import matplotlib
 import numpy as np
 from flax import nnx
 
@@ -57,6 +59,9 @@ from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.run_folder import results_page
 from experiments.generate import load_run
 from experiments.logit_spread import head_inputs
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 PAGE_TITLE = (
     "Beyond rank: unargmaxable tokens, hidden size, gradient share and NLL by word frequency of "
@@ -215,35 +220,51 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
     }
 
 
+def _pair_key(row: dict[str, Any]) -> tuple[int, int, int]:
+    """What a head's row shares with the softmax row it is compared with."""
+    return row["d"], row["seed"], row["vocab_size"]
+
+
+def _softmax_pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict | None]]:
+    """The rows measured by training count, each with softmax's groups at the same d, seed and
+    vocabulary on the same positions (None for softmax's own rows and unpaired ones)."""
+    measured = [row for row in rows if "test_nll_by_train_count" in row]
+    softmax = {
+        _pair_key(row): row["test_nll_by_train_count"]
+        for row in measured
+        if row["head"] == "softmax"
+    }
+    pairs = []
+    for row in measured:
+        base = softmax.get(_pair_key(row)) if row["head"] != "softmax" else None
+        groups = row["test_nll_by_train_count"]
+        if base is not None and any(base[g]["positions"] != groups[g]["positions"] for g in groups):
+            base = None  # other windows: not comparable group by group
+        pairs.append((row, base))
+    return pairs
+
+
 def count_table(rows: list[dict[str, Any]]) -> str:
     """The rows' ``test_nll_by_train_count`` as a Markdown section: each group's mean NLL and, in
     brackets, minus softmax's where ``rows`` hold softmax's run at the same d, seed and
     vocabulary (on the same positions); empty if no row has it."""
-    measured = [row for row in rows if "test_nll_by_train_count" in row]
-    if not measured:
+    pairs = _softmax_pairs(rows)
+    if not pairs:
         return ""
-
-    def key(row: dict[str, Any]) -> tuple[int, int, int]:
-        return row["d"], row["seed"], row["vocab_size"]
-
-    softmax = {key(row): row for row in measured if row["head"] == "softmax"}
     cells = []
-    for row in measured:
-        base = softmax.get(key(row)) if row["head"] != "softmax" else None
+    for row, base in pairs:
         line = {"run": row["run"]}
         for name, group in row["test_nll_by_train_count"].items():
             line[name] = None if group["nll"] is None else f"{group['nll']:.3f}"
-            other = None if base is None else base["test_nll_by_train_count"][name]
-            if line[name] and other and other["nll"] is not None:
-                if other["positions"] == group["positions"]:  # the same windows
-                    line[name] += f" ({group['nll'] - other['nll']:+.3f})"
+            if line[name] and base is not None and base[name]["nll"] is not None:
+                line[name] += f" ({group['nll'] - base[name]['nll']:+.3f})"
         cells.append(line)
     counts = "; ".join(dict.fromkeys(  # each distinct grouping once, in order
         f"vocabulary {row['vocab_size']:,}: " + ", ".join(
             f"{name}: {group['positions']:,}"
             for name, group in row["test_nll_by_train_count"].items()
         )
-        for row in measured
+        for row, _ in pairs
     ))  # fmt: skip
     return (
         "## Test NLL by the target word's training count\n\n"
@@ -252,6 +273,61 @@ def count_table(rows: list[dict[str, Any]]) -> str:
         f"(negative: the head does better there). Positions per group ({counts}).\n\n"
         + markdown_table(cells)
     )
+
+
+def count_gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each head's gap to softmax in test NLL, split over the training-count groups.
+
+    Group ``g`` of a head paired with softmax's run (same d, seed, vocabulary and positions)
+    gives ``n_g (nll_g - nll_g^softmax) / n`` nats, ``n_g`` of the ``n`` positions being in it,
+    so a head's groups sum to its gap in the whole test NLL. Returns one entry per head, d and
+    group: the mean over the seeds paired (``gap_nats``) and their number (``seeds``).
+    """
+    per_group: dict[tuple[str, int, str], list[float]] = {}
+    for row, base in _softmax_pairs(rows):
+        if base is None:
+            continue
+        groups = row["test_nll_by_train_count"]
+        for name, group in groups.items():
+            if name == "all" or group["nll"] is None:  # an empty group adds nothing
+                continue
+            share = group["positions"] / groups["all"]["positions"]
+            gap = share * (group["nll"] - base[name]["nll"])
+            per_group.setdefault((row["head"], row["d"], name), []).append(gap)
+    return [
+        {"head": head, "d": d, "group": name, "gap_nats": float(np.mean(gaps)), "seeds": len(gaps)}
+        for (head, d, name), gaps in per_group.items()
+    ]
+
+
+def plot_count_gaps(gaps: list[dict[str, Any]], path: Path) -> None:
+    """One panel per d: bars of :func:`count_gaps` per training-count group, a colour per head
+    (above 0: worse than softmax on those words)."""
+    ds = sorted({entry["d"] for entry in gaps})
+    heads = list(dict.fromkeys(entry["head"] for entry in gaps))
+    groups = list(dict.fromkeys(entry["group"] for entry in gaps))
+    fig, axes = plt.subplots(
+        1, len(ds), figsize=(1.5 + 4.5 * len(ds), 4), sharey=True, squeeze=False
+    )
+    width = 0.8 / len(heads)
+    for axis, d in zip(axes[0], ds, strict=True):
+        for i, head in enumerate(heads):
+            gap = {e["group"]: e["gap_nats"] for e in gaps if e["d"] == d and e["head"] == head}
+            offset = (i - (len(heads) - 1) / 2) * width
+            xs = [j + offset for j in range(len(groups))]
+            axis.bar(xs, [gap.get(g, np.nan) for g in groups], width, color=f"C{i}", label=head)
+        axis.axhline(0.0, color="0.3", lw=1)
+        axis.set_xticks(range(len(groups)), groups)
+        axis.set_xlabel("the target word's count in training")
+        axis.set_title(f"d = {d}")
+        axis.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel(
+        "test NLL minus softmax's (nats)\nper group; a head's bars sum to its gap"
+    )
+    axes[0][-1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def earlier_rows(out: Path) -> list[dict[str, Any]]:
@@ -290,8 +366,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             out.write_text(json.dumps(rows, indent=1) + "\n")
             body = f"{MERGED_NOTE}\n\n{table}" if config.merge else table
             out.with_suffix(".md").write_text(results_page(PAGE_TITLE, body))
+            gaps = count_gaps(rows)
+            if gaps:
+                plot_count_gaps(gaps, out.with_suffix(".png"))
     print(table)
-    print(f"wrote {out} and {out.with_suffix('.md').name}")
+    plot = f", {out.with_suffix('.png').name}" if gaps else ""
+    print(f"wrote {out}{plot} and {out.with_suffix('.md').name}")
     return rows
 
 

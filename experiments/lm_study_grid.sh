@@ -9,7 +9,8 @@
 # COMMIT: the code to run; WORK_DIR: where the pinned worktree and the cells' run folders go
 # (outside the checkout); RESULTS_CSV: a path inside the checkout, committed after each cell.
 # With CONSEQUENCES=FILE.json (a path inside the checkout) each finished cell is also measured
-# by experiments/consequences.py --merge, and FILE.json and FILE.md are committed with its row:
+# by experiments/consequences.py --merge, and FILE.json, FILE.md (and FILE.png, its plot, once
+# there is one) are committed with its row:
 # the cells' weights stay outside the checkout, so a change of machine keeps only what was
 # committed.
 # Example (PTB's files in DIR):
@@ -40,7 +41,8 @@ if [ -n "${CONSEQUENCES:-}" ]; then
   out="$checkout/${CONSEQUENCES%.json}"
   cat >> "$hook" <<END
 "$python" experiments/consequences.py --merge --out "$out.json" \\
-    --run_dirs "$work/runs/cells/\$CELL" && commit "consequences: \$CELL" "$out.json" "$out.md"
+    --run_dirs "$work/runs/cells/\$CELL" &&
+  commit "consequences: \$CELL" "$out.json" "$out.md" \$(ls "$out.png" 2>/dev/null)
 END
 fi
 cd "$code"

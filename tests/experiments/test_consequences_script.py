@@ -42,6 +42,8 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
         ["--run_dirs", str(runs["softmax"]), str(runs["mos"]), "--tokens", "6", "--out", str(out)]
     )
     assert json.loads(out.read_text()) == rows
+    # MoS is paired with softmax (same d, seed and test windows): the gaps are plotted.
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tmp_path / "c.md").read_text().splitlines()
     assert page[0].startswith("# Beyond rank") and page[2].startswith("Written by `python ")
     table = page[4 : page.index("", 4)]
@@ -126,6 +128,46 @@ def test_count_table_pairs_each_head_with_softmax_at_the_same_d_and_seed():
         ["mos-d8-s1", "5.000", "1.000"],
     ]
     assert consequences.count_table(rows[-1:]) == ""
+
+
+def test_count_gaps_split_each_heads_gap_to_softmax_over_the_groups(tmp_path):
+    rng = np.random.default_rng(0)
+    positions = {"0-9": 30, "10-99": 50, "100+": 20}
+
+    def row(head, d, seed, nll):
+        groups = {
+            g: {"nll": v, "positions": positions[g]} for g, v in zip(positions, nll, strict=True)
+        }
+        total = sum(positions.values())
+        mean = sum(positions[g] * v for g, v in zip(positions, nll, strict=True)) / total
+        groups["all"] = {"nll": mean, "positions": total}
+        return {"run": f"{head}-d{d}-s{seed}", "head": head, "d": d, "seed": seed,
+                "vocab_size": 50, "test_nll_by_train_count": groups}  # fmt: skip
+
+    rows = [
+        row(head, d, seed, rng.uniform(2, 9, 3))
+        for head in ("softmax", "plif", "mos")
+        for d in (8, 16)
+        for seed in (1, 2)
+    ]
+    rows.append(row("mos", 32, 1, (5.0, 4.0, 3.0)))  # no softmax at d = 32: left out
+    gaps = consequences.count_gaps(rows)
+    assert {(e["head"], e["d"]) for e in gaps} == {(h, d) for h in ("plif", "mos") for d in (8, 16)}
+    assert {e["seeds"] for e in gaps} == {2}
+    total = {r["run"]: r["test_nll_by_train_count"]["all"]["nll"] for r in rows}
+    for head in ("plif", "mos"):
+        for d in (8, 16):
+            want = np.mean(
+                [total[f"{head}-d{d}-s{s}"] - total[f"softmax-d{d}-s{s}"] for s in (1, 2)]
+            )
+            got = sum(e["gap_nats"] for e in gaps if (e["head"], e["d"]) == (head, d))
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+    (one,) = [e for e in gaps if (e["head"], e["d"], e["group"]) == ("plif", 8, "0-9")]
+    nll = {r["run"]: r["test_nll_by_train_count"]["0-9"]["nll"] for r in rows}
+    want = np.mean([0.3 * (nll[f"plif-d8-s{s}"] - nll[f"softmax-d8-s{s}"]) for s in (1, 2)])
+    np.testing.assert_allclose(one["gap_nats"], want, rtol=1e-12)
+    consequences.plot_count_gaps(gaps, tmp_path / "gaps.png")
+    assert (tmp_path / "gaps.png").stat().st_size > 0
 
 
 def test_missing_run_dirs_is_a_usage_error(capsys):
