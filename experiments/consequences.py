@@ -31,8 +31,8 @@ Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the 
 folder) and the same rows as a Markdown table beside it (``.md``), both rewritten as each run is
 measured, and prints the tables (the NLL by training count as ``NLL (minus softmax's at the same
 d and seed)``); where a head is paired with softmax so, a plot beside them (``.png``) shows how
-its gap to softmax splits over the groups (:func:`count_gaps`); each row names its run folder (``run``), times the exact LPs
-(``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
+its gap to softmax splits over the groups (:func:`count_gaps`). Each row names its run folder
+(``run``), times the exact LPs (``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
 grid's rows call by call (``experiments/lm_study_grid.sh`` measures each cell as it lands): the
 rows it holds for other run folders are kept, and a run measured again replaces its row.
 """
