@@ -24,15 +24,15 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
   occurs in the training data (``0-9``, ``10-99``, ``100-999``, ``1000+`` times), each with its
   number of positions, and over all of them (``all``; the test loss, up to how the run's own
   evaluation cuts the stream into windows). Paired with softmax's at the same d and seed, it
-  shows on which words a head wins or loses (docs/beyond_rank.md: at d = 128, sigsoftmax, PLIF
-  and MoS lose on the words seen fewer than 100 times).
+  shows on which words a head wins or loses (docs/beyond_rank.md reads the study's runs).
 
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
 folder) and the same rows as a Markdown table beside it (``.md``), both rewritten as each run is
 measured, and prints the tables (the NLL by training count as ``NLL (minus softmax's at the same
 d and seed)``); where a head is paired with softmax so, a plot beside them (``.png``) shows how
-its gap to softmax splits over the groups (:func:`count_gaps`). Each row names its run folder
-(``run``), times the exact LPs (``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
+its gap to softmax splits over the groups (:func:`count_gaps`), and where none is, no plot is
+left there. Each row names its run folder (``run``), times the exact LPs
+(``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
 grid's rows call by call (``experiments/lm_study_grid.sh`` measures each cell as it lands): the
 rows it holds for other run folders are kept, and a run measured again replaces its row.
 """
@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             gaps = count_gaps(rows)
             if gaps:
                 plot_count_gaps(gaps, out.with_suffix(".png"))
+            else:  # an earlier call's plot of other rows would not be these rows'
+                out.with_suffix(".png").unlink(missing_ok=True)
     print(table)
     plot = f", {out.with_suffix('.png').name}" if gaps else ""
     print(f"wrote {out}{plot} and {out.with_suffix('.md').name}")

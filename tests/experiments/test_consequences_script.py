@@ -65,6 +65,13 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
         assert 1 <= row["hidden_size_estimate"] <= min(row["positions"], m)
 
 
+def test_a_call_with_no_head_paired_with_softmax_leaves_no_earlier_plot(runs, tmp_path):
+    out = tmp_path / "c.json"
+    out.with_suffix(".png").write_bytes(b"an earlier call's plot")
+    consequences.main(["--run_dirs", str(runs["softmax"]), "--tokens", "6", "--out", str(out)])
+    assert out.exists() and not out.with_suffix(".png").exists()
+
+
 def test_nll_by_train_count_matches_a_direct_computation(runs):
     config, vocabulary, model = load_run(str(runs["mos"]))
     corpus = config.data.load(str(runs["mos"]))
