@@ -6,6 +6,7 @@ cells after the first compile little.
 """
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -253,15 +254,19 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     softmax, mos = [100.0, 110.0, 120.0], [99.0, 108.0, 121.0]
     rows = [row("softmax", s, p) for s, p in zip((1, 2, 3), softmax, strict=True)]
     rows += [row("mos", s, p) for s, p in zip((1, 2, 3), mos, strict=True)]
-    rows.append(row("mos", 4, 105.0))  # no softmax cell of seed 4: in the mean, not the pairs
+    rows.append(row("mos", 4, 105.0))  # no softmax cell of seed 4: in the mean, not the gain
     table = lm_study.summarize(rows, config)
     (entry,) = [e for e in table if e["head"] == "mos"]
     per_seed = 100 * (np.array(softmax) - np.array(mos)) / np.array(softmax)
     np.testing.assert_allclose(entry["gain_pct_std"], np.std(per_seed, ddof=1), rtol=1e-12)
     assert (entry["better_seeds"], entry["paired_seeds"]) == (2, 3)
-    np.testing.assert_allclose(
-        entry["gain_pct"], 100 * (np.mean(softmax) - np.mean(mos + [105.0])) / np.mean(softmax)
-    )
+    np.testing.assert_allclose(entry["gain_pct"], np.mean(per_seed), rtol=1e-12)
+    np.testing.assert_allclose(entry["gain_ppl"], np.mean(softmax) - np.mean(mos), rtol=1e-12)
+    np.testing.assert_allclose(entry["test_ppl"], np.mean(mos + [105.0]), rtol=1e-12)
+    rows.append(row("plif", 4, 90.0))  # its one seed has no softmax cell: no gain at all
+    table = lm_study.summarize(rows, dataclasses.replace(config, heads=("softmax", "mos", "plif")))
+    (plif,) = [e for e in table if e["head"] == "plif"]
+    assert "gain_pct" not in plif and "better_seeds" not in plif
     text = lm_study.markdown(table, rows, config)
     assert f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}" in text and "| 2/3 " in text
     lm_study.plot_vs_d(table, config, tmp_path / "vs_d.png")
