@@ -438,7 +438,8 @@ def _paired_gains(cells: list[dict[str, Any]], base_by_seed: dict[int, float]) -
     seed share its data order and initial trunk): its mean in perplexity and in %, the spread
     of the per-seed gains in % (``None`` below two seeds) and how many seeds the head beats
     softmax in. Empty if no seed has both. A seed of the head alone counts in its mean
-    perplexity, not in its gain: the seeds' spread (4% at d = 16) would pass for a head's gain."""
+    perplexity, not in its gain: compared with softmax's other seeds, the seeds' own spread
+    would pass for a head's gain."""
     pairs = [(base_by_seed[r["seed"]], r["test_ppl"]) for r in cells if r["seed"] in base_by_seed]
     if not pairs:
         return {}
