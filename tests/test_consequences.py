@@ -214,10 +214,11 @@ def test_head_ratio_of_a_pointwise_head_uses_its_whole_jacobian(name):
     def scores(x):
         return head.log_scores(head.logits(x))[:40]
 
+    # One compile for every position, rather than op-by-op dispatch.
+    jacobian_and_p = jax.jit(lambda x: (jax.jacrev(scores)(x), jax.nn.softmax(scores(x))))
     want = []
     for x, y in zip(np.asarray(h).reshape(-1, 5), np.asarray(labels).reshape(-1), strict=True):
-        J = np.asarray(jax.jacrev(scores)(jnp.asarray(x)), np.float64)
-        p = np.asarray(jax.nn.softmax(scores(jnp.asarray(x))), np.float64)
+        J, p = (np.asarray(a, np.float64) for a in jacobian_and_p(jnp.asarray(x)))
         want.append(reference_ratio(J, p - np.eye(40)[y]))
     np.testing.assert_allclose(np.asarray(got).reshape(-1), want, rtol=1e-4)
 
@@ -227,13 +228,15 @@ def test_head_ratio_of_a_mixture_projects_p_minus_e_y_on_its_log_prob_jacobian(n
     head = nn.make_head(name, 6, 30, num_components=3, rngs=nnx.Rngs(0))
     h = 2.0 * jax.random.normal(jax.random.key(4), (2, 2, 6))
     labels = jnp.array([[0, 7], [29, 3]])
-    got = bn.head_gradient_ratio(head, h, labels)
+    got = jax.jit(lambda h, y: bn.head_gradient_ratio(head, h, y))(h, labels)
     assert got.shape == (2, 2)
+    # One compile for every position, rather than op-by-op dispatch.
+    jacobian_and_log_p = jax.jit(lambda x: (jax.jacfwd(head)(x), head(x)))
     want = []
     for x, y in zip(np.asarray(h).reshape(-1, 6), np.asarray(labels).reshape(-1), strict=True):
         # One position at a time (no vmap), the projection in float64 on the host.
-        J = np.asarray(jax.jacfwd(head)(jnp.asarray(x)), np.float64)
-        p = np.exp(np.asarray(head(jnp.asarray(x)), np.float64))
+        J, log_p = (np.asarray(a, np.float64) for a in jacobian_and_log_p(jnp.asarray(x)))
+        p = np.exp(log_p)
         want.append(reference_ratio(J, p - np.eye(30)[y]))
     np.testing.assert_allclose(np.asarray(got).reshape(-1), want, rtol=1e-3)
     assert np.all((np.asarray(got) > 0) & (np.asarray(got) < 1))

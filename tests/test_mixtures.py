@@ -68,14 +68,22 @@ def test_mixture_rank_exceeds_single_softmax_bound():
     """Yang et al.: a mixture of softmaxes escapes the d + 1 rank bound of one softmax."""
     dim, num_components = 4, 3
     with jax.enable_x64(True):
-        keys = jax.random.split(jax.random.key(3), 3)
-        hidden = jax.random.normal(keys[0], (num_components, 80, dim), jnp.float64)
-        decoder = jax.random.normal(keys[1], (40, dim), jnp.float64)
-        components = bn.log_softmax(hidden @ decoder.T)  # [K, N, M]
-        log_weights = bn.log_softmax(jax.random.normal(keys[2], (80, num_components), jnp.float64))
-        mixed = bn.mixture_log_probs(jnp.swapaxes(components, 0, 1), log_weights)
-        assert int(bn.numerical_rank(components[0])) == dim + 1
-        assert int(bn.numerical_rank(mixed)) > dim + 1
+
+        @jax.jit  # one compile, not op-by-op dispatch
+        def ranks(key):
+            keys = jax.random.split(key, 3)
+            hidden = jax.random.normal(keys[0], (num_components, 80, dim), jnp.float64)
+            decoder = jax.random.normal(keys[1], (40, dim), jnp.float64)
+            components = bn.log_softmax(hidden @ decoder.T)  # [K, N, M]
+            log_weights = bn.log_softmax(
+                jax.random.normal(keys[2], (80, num_components), jnp.float64)
+            )
+            mixed = bn.mixture_log_probs(jnp.swapaxes(components, 0, 1), log_weights)
+            return bn.numerical_rank(components[0]), bn.numerical_rank(mixed)
+
+        single, mixture = ranks(jax.random.key(3))
+        assert int(single) == dim + 1
+        assert int(mixture) > dim + 1
 
 
 @pytest.mark.parametrize(
@@ -114,8 +122,13 @@ def test_vocabulary_on_any_axis(axis):
     got = jax.jit(bn.mixture_log_probs, static_argnums=2)(moved, moved_weights, axis)
     np.testing.assert_allclose(got, jnp.moveaxis(want, -1, vocab - 1), rtol=1e-6, atol=1e-6)
     grad = lambda f, *a: jax.grad(lambda c, w: jnp.sum(jnp.sin(f(c, w, *a))), argnums=(0, 1))  # noqa: E731
-    got_grads = grad(bn.mixture_log_probs, axis)(moved, moved_weights)
-    want_grads = grad(bn.mixture_log_probs)(components, log_weights)
+    # One compile for both gradients, rather than op-by-op dispatch.
+    got_grads, want_grads = jax.jit(
+        lambda: (
+            grad(bn.mixture_log_probs, axis)(moved, moved_weights),
+            grad(bn.mixture_log_probs)(components, log_weights),
+        )
+    )()
     np.testing.assert_allclose(
         got_grads[0], jnp.moveaxis(want_grads[0], (2, 3), (vocab - 1, vocab)), rtol=1e-5, atol=1e-6
     )
@@ -193,21 +206,30 @@ def test_sigmoid_tree_gated_logits_gradients_in_both_modes():
         log_weights = bn.mixtures.sigmoid_tree_log_weights(pre, axis=-2)
         return bn.mixtures.gated_logits(z, log_weights)
 
-    for f_grad, g_grad in zip(
-        jax.grad(lambda z, p: jnp.sum(cotangent * fused(z, p)), (0, 1))(z, pre),
-        jax.grad(lambda z, p: jnp.sum(cotangent * composed(z, p)), (0, 1))(z, pre),
-        strict=True,
-    ):
+    @jax.jit  # one compile for every derivative below, rather than op-by-op dispatch
+    def derivatives(z, pre):
+        grads = [
+            jax.grad(lambda z, p, f=f: jnp.sum(cotangent * f(z, p)), (0, 1))(z, pre)
+            for f in (fused, composed)
+        ]
+        jacobians = [
+            (jax.jacfwd(fused, a)(z, pre), jax.jacrev(composed, a)(z, pre)) for a in (0, 1)
+        ]
+        # Broadcast inputs get the summed gradient, as any broadcast.
+        shared_pre = pre[:1]
+        broadcast = (
+            jax.grad(lambda p: jnp.sum(cotangent * fused(z, p)))(shared_pre),
+            jax.grad(lambda p: jnp.sum(cotangent * composed(z, jnp.broadcast_to(p, pre.shape))))(
+                shared_pre
+            ),
+        )
+        return grads, jacobians, broadcast
+
+    grads, jacobians, (got, want) = derivatives(z, pre)
+    for f_grad, g_grad in zip(*grads, strict=True):
         np.testing.assert_allclose(f_grad, g_grad, rtol=1e-5, atol=1e-5)
-    for argnum in (0, 1):
-        forward = jax.jacfwd(fused, argnum)(z, pre)
-        np.testing.assert_allclose(forward, jax.jacrev(composed, argnum)(z, pre), atol=1e-5)
-    # Broadcast inputs get the summed gradient, as any broadcast.
-    shared_pre = pre[:1]
-    got = jax.grad(lambda p: jnp.sum(cotangent * fused(z, p)))(shared_pre)
-    want = jax.grad(lambda p: jnp.sum(cotangent * composed(z, jnp.broadcast_to(p, pre.shape))))(
-        shared_pre
-    )
+    for forward, reverse in jacobians:
+        np.testing.assert_allclose(forward, reverse, atol=1e-5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

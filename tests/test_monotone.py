@@ -87,8 +87,11 @@ def test_plif_custom_vjp_matches_autodiff_of_naive_version():
     x = 10.0 * jax.random.normal(kx, (64, 300))
     raw = bn.plif_init(ks, 1000, noise=1.0)
     cotangent = jax.random.normal(kg, x.shape)
-    ours = jax.jit(jax.vjp(bn.plif, x, raw)[1])(cotangent)
-    naive = jax.jit(jax.vjp(lambda x, r: naive_plif(x, r, 20.0), x, raw)[1])(cotangent)
+    # The forward pass inside jit too: one compile each, not op-by-op dispatch.
+    ours = jax.jit(lambda x, r, c: jax.vjp(bn.plif, x, r)[1](c))(x, raw, cotangent)
+    naive = jax.jit(lambda x, r, c: jax.vjp(lambda x, r: naive_plif(x, r, 20.0), x, r)[1](c))(
+        x, raw, cotangent
+    )
     chex.assert_trees_all_close(ours, naive, rtol=1e-4, atol=1e-4)
 
 
@@ -118,11 +121,17 @@ def test_plif_vmaps_over_inputs_and_slopes():
         jax.random.split(jax.random.key(9), 3)
     )
     batched = jax.jit(jax.vmap(bn.plif))(x, raws)
-    looped = jnp.stack([bn.plif(x[i], raws[i]) for i in range(3)])
+
+    @jax.jit  # one compile, not op-by-op dispatch
+    def looped_and_grads(x, raws):
+        looped = jnp.stack([bn.plif(x[i], raws[i]) for i in range(3)])
+        grads = jax.vmap(jax.grad(lambda x, r: jnp.sum(bn.plif(x, r) ** 2), argnums=1))(x, raws)
+        squared = jax.grad(lambda x, r: jnp.sum(bn.plif(x, r) ** 2), argnums=1)
+        looped_grads = jnp.stack([squared(x[i], raws[i]) for i in range(3)])
+        return looped, grads, looped_grads
+
+    looped, grads, looped_grads = looped_and_grads(x, raws)
     chex.assert_trees_all_close(batched, looped, atol=1e-6)
-    grads = jax.vmap(jax.grad(lambda x, r: jnp.sum(bn.plif(x, r) ** 2), argnums=1))(x, raws)
-    squared = jax.grad(lambda x, r: jnp.sum(bn.plif(x, r) ** 2), argnums=1)
-    looped_grads = jnp.stack([squared(x[i], raws[i]) for i in range(3)])
     chex.assert_trees_all_close(grads, looped_grads, atol=1e-5)
 
 
@@ -201,10 +210,16 @@ def test_monotone_mlp_strictly_increasing_with_unbounded_image():
     f = jax.jit(bn.monotone_mlp)(x, params)
     assert bool(jnp.all(jnp.diff(f) > 0))
     slope = jax.nn.softplus(params["raw_linear"])
-    derivative = jax.vmap(jax.grad(bn.monotone_mlp), in_axes=(0, None))(x, params)
+
+    @jax.jit  # one compile, not op-by-op dispatch
+    def derivatives_and_ends(x, params):
+        derivative = jax.vmap(jax.grad(bn.monotone_mlp), in_axes=(0, None))(x, params)
+        ends = bn.monotone_mlp(jnp.array([-1e4, 1e4]), params)
+        grads = jax.grad(lambda p: jnp.sum(bn.monotone_mlp(jnp.array([-1e4, 0.0, 1e4]), p)))(params)
+        return derivative, ends, grads
+
+    derivative, ends, grads = derivatives_and_ends(x, params)
     assert bool(jnp.all(derivative >= slope * (1 - 1e-6)))
     # Unbounded: the image keeps growing linearly far outside any sigmoid's bend.
-    ends = bn.monotone_mlp(jnp.array([-1e4, 1e4]), params)
     assert float(ends[0]) < -0.9e4 * float(slope) and float(ends[1]) > 0.9e4 * float(slope)
-    grads = jax.grad(lambda p: jnp.sum(bn.monotone_mlp(jnp.array([-1e4, 0.0, 1e4]), p)))(params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))

@@ -89,7 +89,8 @@ def test_every_composition_loss_needs_under_a_quarter_of_the_full_logits(combo):
     logits: 512 MiB) stay below a quarter of them: chunk sizing is honest for pieces the library
     knows (declared costs) and for those it does not (measured)."""
     num_tokens, dim, vocab = 4096, 64, 32768
-    temp = loss_temp_bytes(build_head(combo, dim, vocab), num_tokens)
+    # Shapes only: no eager initialisation of the tables.
+    temp = loss_temp_bytes(nnx.eval_shape(lambda: build_head(combo, dim, vocab)), num_tokens)
     assert temp < num_tokens * vocab * 4 / 4
 
 
@@ -122,9 +123,17 @@ def test_presets_give_the_parameters_and_losses_of_the_heads_before_composition(
     h = jax.random.normal(jax.random.key(1), (5, 7, 6), jnp.float32) * 2.0
     labels = jax.random.randint(jax.random.key(2), (5, 7), 0, 13)
     where = jax.random.bernoulli(jax.random.key(3), 0.8, (5, 7))
-    np.testing.assert_allclose(head.loss(h, labels, where), pinned["loss"], rtol=1e-6)
-    np.testing.assert_allclose(small.loss(h, labels, where), pinned["chunked_loss"], rtol=1e-6)
-    np.testing.assert_allclose(jnp.sum(head(h)), pinned["log_probs_sum"], rtol=1e-6)
+    # One compile, not op-by-op dispatch.
+    loss, chunked_loss, log_probs_sum = nnx.jit(
+        lambda head, small: (
+            head.loss(h, labels, where),
+            small.loss(h, labels, where),
+            jnp.sum(head(h)),
+        )
+    )(head, small)
+    np.testing.assert_allclose(loss, pinned["loss"], rtol=1e-6)
+    np.testing.assert_allclose(chunked_loss, pinned["chunked_loss"], rtol=1e-6)
+    np.testing.assert_allclose(log_probs_sum, pinned["log_probs_sum"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", nn.HEAD_NAMES)
@@ -213,13 +222,19 @@ def test_tied_embedding_shares_and_trains_one_table(name):
     model = TiedModel(nnx.Rngs(0))
     assert model.head.decoder is model.embed.embedding
     tokens, labels = _inputs()[1], jnp.roll(_inputs()[1], 1)
-    chunked = nnx.grad(lambda m: m.loss(tokens, labels))(model)
-    full = nnx.grad(lambda m: m.full_loss(tokens, labels))(model)
+
+    @nnx.jit  # one compile for every gradient below, rather than op-by-op dispatch
+    def gradients(model):
+        chunked = nnx.grad(lambda m: m.loss(tokens, labels))(model)
+        full = nnx.grad(lambda m: m.full_loss(tokens, labels))(model)
+        untied = nnx.grad(
+            lambda m: bn.cross_entropy(m.head(jax.lax.stop_gradient(m.embed(tokens))), labels)
+        )(model)
+        return chunked, full, untied
+
+    chunked, full, untied = gradients(model)
     chex.assert_trees_all_close(chunked, full, rtol=1e-5, atol=1e-6)
     # One shared table: the gradient holds both its embedding and its decoder contributions.
-    untied = nnx.grad(
-        lambda m: bn.cross_entropy(m.head(jax.lax.stop_gradient(m.embed(tokens))), labels)
-    )(model)
     assert not np.allclose(full["embed"]["embedding"][...], untied["embed"]["embedding"][...])
 
 
@@ -257,7 +272,7 @@ def test_rank_of_softmax_head_bounded_others_not():
             slopes = head.pointwise.raw_slopes
             slopes[...] = slopes[...] + 2.0 * jax.random.normal(jax.random.key(4), (200,))
         head.bias[...] = jax.random.normal(jax.random.key(5), (M,))
-        ranks[name] = int(bn.numerical_rank(head(h)))
+        ranks[name] = int(bn.numerical_rank(nnx.jit(head)(h)))  # jit: not op-by-op dispatch
     assert ranks["softmax"] <= D + 2
     assert all(ranks[name] > D + 2 for name in ("sigsoftmax", "plif", "mos", "mixtape")), ranks
 
@@ -455,9 +470,11 @@ def test_declared_chunk_costs_are_neither_too_small_nor_wasteful(name):
     options["mos"] = options["mixtape"] = {"num_components": 4}
     temp = {}
     for memory_budget in (large, 2 * large):
-        head = nn.make_head(
-            name, dim, vocab, rngs=nnx.Rngs(0), memory_budget=memory_budget,
-            **options.get(name, {}),
+        head = nnx.eval_shape(  # shapes only: no eager initialisation of the tables
+            lambda memory_budget=memory_budget: nn.make_head(
+                name, dim, vocab, rngs=nnx.Rngs(0), memory_budget=memory_budget,
+                **options.get(name, {}),
+            )
         )  # fmt: skip
         temp[memory_budget] = loss_temp_bytes(head, num_tokens)
     assert 0.5 <= (temp[2 * large] - temp[large]) / large <= 1.1, temp
