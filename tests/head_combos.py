@@ -8,6 +8,7 @@ the public composition API; ``PAIRWISE_COMBOS``, 20 of them that hold every pair
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -92,9 +93,11 @@ def keep_relu_off_its_kink(head: nn.OutputHead, h: jax.Array) -> jax.Array | Non
     raise AssertionError("no bias keeps the relu inputs off the kink")
 
 
-def loss_temp_bytes(head: nn.OutputHead, num_tokens: int) -> int:
+def loss_temp_bytes(build: Callable[[], nn.OutputHead], num_tokens: int) -> int:
     """Compiled temporaries of ``value_and_grad(head.loss)`` (w.r.t. its state and ``h``) for
-    ``num_tokens`` float32 hidden states: shapes only, nothing runs."""
+    ``num_tokens`` float32 hidden states, of the head ``build()`` makes: shapes only, nothing
+    runs (the head is built under ``nnx.eval_shape``, so no table is initialised)."""
+    head = nnx.eval_shape(build)
     graphdef, state = nnx.split(head)
     h = jax.ShapeDtypeStruct((num_tokens, head.in_features), jnp.float32)
     labels = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)

@@ -90,7 +90,7 @@ def test_every_composition_loss_needs_under_a_quarter_of_the_full_logits(combo):
     knows (declared costs) and for those it does not (measured)."""
     num_tokens, dim, vocab = 4096, 64, 32768
     # Shapes only: no eager initialisation of the tables.
-    temp = loss_temp_bytes(nnx.eval_shape(lambda: build_head(combo, dim, vocab)), num_tokens)
+    temp = loss_temp_bytes(lambda: build_head(combo, dim, vocab), num_tokens)
     assert temp < num_tokens * vocab * 4 / 4
 
 
@@ -470,13 +470,13 @@ def test_declared_chunk_costs_are_neither_too_small_nor_wasteful(name):
     options["mos"] = options["mixtape"] = {"num_components": 4}
     temp = {}
     for memory_budget in (large, 2 * large):
-        head = nnx.eval_shape(  # shapes only: no eager initialisation of the tables
+        temp[memory_budget] = loss_temp_bytes(
             lambda memory_budget=memory_budget: nn.make_head(
                 name, dim, vocab, rngs=nnx.Rngs(0), memory_budget=memory_budget,
                 **options.get(name, {}),
-            )
+            ),
+            num_tokens,
         )  # fmt: skip
-        temp[memory_budget] = loss_temp_bytes(head, num_tokens)
     assert 0.5 <= (temp[2 * large] - temp[large]) / large <= 1.1, temp
 
 
