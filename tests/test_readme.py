@@ -107,6 +107,21 @@ def test_readme_rare_word_shares_are_the_committed_results():
     assert f"they are {positions:.0%} of the test positions" in text
 
 
+def test_guide_status_counts_are_the_committed_rows():
+    """The language-model guide's status list counts what docs/results/ptb-transformer.csv holds."""
+    with open(RESULTS / "ptb-transformer.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    text = " ".join((ROOT / "docs" / "guides" / "language_models.md").read_text().split())
+    early = sum(r["stop_reason"].startswith("early stopping") for r in rows)
+    if len(rows) < 60:
+        assert f"**{len(rows)} of 60 cells** are recorded" in text
+    assert f"{early} stopped early" in text
+    if all(r["converged"] == "True" for r in rows):
+        assert "Every cell is converged" in text
+    else:
+        assert "Every cell is converged" not in text
+
+
 def test_readme_negative_control_is_the_committed_rows():
     """The README's control sentence against docs/results/ptb-transformer-control.csv."""
     test_ppl: dict[str, list[float]] = {}
