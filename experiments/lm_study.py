@@ -479,6 +479,11 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         f"validation by less than {100 * CONVERGED_IMPROVEMENT:g}% in all.",
         "",
         markdown_table([_table_row(e, decimals) for e in table]),
+        "",
+        "The same gains, a column per d (softmax's row: its test perplexity; the others': gain "
+        "over softmax in %, ± the per-seed spread, and in how many paired seeds the head wins):",
+        "",
+        markdown_table(gains_by_d(table, config, decimals)),
     ]
     pending = [r for r in rows if r["status"] == "pending"]
     if pending:
@@ -493,6 +498,29 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         lines += ["", "Failed cells (rerun the command to retry them):", ""]
         lines += [f"- {cell_name(r['head'], r['d'], r['seed'])}: {r['error']}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def gains_by_d(table: list[dict[str, Any]], config: Config, decimals: int) -> list[dict[str, str]]:
+    """The summary as a head x d grid, short enough for a README: softmax's test perplexity,
+    then each head's paired gain over it ("—" where no seed is paired, blank where no cell)."""
+    entries = {(e["head"], e["d"]): e for e in table}
+    grid = []
+    for head in config.heads:
+        cells = {"head": f"{head} (test ppl)" if head == "softmax" else head}
+        for d in config.ds:
+            e = entries.get((head, d))
+            if e is None:
+                text = ""
+            elif head == "softmax":
+                std = f" ± {e['test_std']:.{decimals}f}" if e["test_std"] is not None else ""
+                text = f"{e['test_ppl']:.{decimals}f}{std}"
+            elif "gain_pct" in e:
+                text = f"{_gain_pct_text(e)}% ({e['better_seeds']}/{e['paired_seeds']})"
+            else:
+                text = "—"
+            cells[f"d = {d}"] = text
+        grid.append(cells)
+    return grid
 
 
 def _decimals(table: list[dict[str, Any]]) -> int:

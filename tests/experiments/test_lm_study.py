@@ -269,6 +269,15 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     assert "gain_pct" not in plif and "better_seeds" not in plif
     text = lm_study.markdown(table, rows, config)
     assert f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}" in text and "| 2/3 " in text
+    grid = lm_study.gains_by_d(table, config, decimals=1)  # the head x d grid for a README
+    assert grid == [
+        {"head": "softmax (test ppl)", "d = 16": f"110.0 ± {np.std(softmax, ddof=1):.1f}"},
+        {"head": "mos", "d = 16": f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}% (2/3)"},
+    ]
+    assert grid[1]["d = 16"] in text  # the report carries the grid under its table
+    wider = dataclasses.replace(config, heads=("softmax", "mos", "plif"), ds=(16, 32))
+    assert [row["d = 32"] for row in lm_study.gains_by_d(table, wider, decimals=1)] == [""] * 3
+    assert lm_study.gains_by_d(table, wider, decimals=1)[2]["d = 16"] == "—"  # no paired seed
     lm_study.plot_vs_d(table, config, tmp_path / "vs_d.png")
     assert (tmp_path / "vs_d.png").read_bytes()[:4] == b"\x89PNG"
 
