@@ -502,12 +502,14 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
 
 def gains_by_d(table: list[dict[str, Any]], config: Config, decimals: int) -> list[dict[str, str]]:
     """The summary as a head x d grid, short enough for a README: softmax's test perplexity,
-    then each head's paired gain over it ("—" where no seed is paired, blank where no cell)."""
+    then each head's paired gain over it ("—" where no seed is paired, blank where no cell); a
+    head or d with no cell at all has no row or column."""
     entries = {(e["head"], e["d"]): e for e in table}
+    ds = [d for d in config.ds if any(e["d"] == d for e in table)]
     grid = []
-    for head in config.heads:
+    for head in (h for h in config.heads if any(e["head"] == h for e in table)):
         cells = {"head": f"{head} (test ppl)" if head == "softmax" else head}
-        for d in config.ds:
+        for d in ds:
             e = entries.get((head, d))
             if e is None:
                 text = ""

@@ -275,9 +275,11 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
         {"head": "mos", "d = 16": f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}% (2/3)"},
     ]
     assert grid[1]["d = 16"] in text  # the report carries the grid under its table
-    wider = dataclasses.replace(config, heads=("softmax", "mos", "plif"), ds=(16, 32))
-    assert [row["d = 32"] for row in lm_study.gains_by_d(table, wider, decimals=1)] == [""] * 3
-    assert lm_study.gains_by_d(table, wider, decimals=1)[2]["d = 16"] == "—"  # no paired seed
+    wider = dataclasses.replace(config, heads=("softmax", "sigsoftmax", "mos", "plif"), ds=(16, 32))
+    rows.append(row("mos", 1, 95.0) | {"d": 32})  # no softmax cell at d = 32: a blank beside it
+    grid = lm_study.gains_by_d(lm_study.summarize(rows, wider), wider, decimals=1)
+    assert [r["head"] for r in grid] == ["softmax (test ppl)", "mos", "plif"]  # no sigsoftmax cell
+    assert [r["d = 32"] for r in grid] == ["", "—", ""] and grid[2]["d = 16"] == "—"
     lm_study.plot_vs_d(table, config, tmp_path / "vs_d.png")
     assert (tmp_path / "vs_d.png").read_bytes()[:4] == b"\x89PNG"
 
