@@ -505,19 +505,18 @@ def gains_by_d(table: list[dict[str, Any]], config: Config, decimals: int) -> li
     then each head's paired gain over it ("—" where no seed is paired, blank where no cell); a
     head or d with no cell at all has no row or column."""
     entries = {(e["head"], e["d"]): e for e in table}
-    ds = [d for d in config.ds if any(e["d"] == d for e in table)]
+    ds = [d for d in config.ds if d in {d for _, d in entries}]
     grid = []
-    for head in (h for h in config.heads if any(e["head"] == h for e in table)):
+    for head in (h for h in config.heads if h in {h for h, _ in entries}):
         cells = {"head": f"{head} (test ppl)" if head == "softmax" else head}
         for d in ds:
             e = entries.get((head, d))
             if e is None:
                 text = ""
             elif head == "softmax":
-                std = f" ± {e['test_std']:.{decimals}f}" if e["test_std"] is not None else ""
-                text = f"{e['test_ppl']:.{decimals}f}{std}"
+                text = _test_ppl_text(e, decimals)
             elif "gain_pct" in e:
-                text = f"{_gain_pct_text(e)}% ({e['better_seeds']}/{e['paired_seeds']})"
+                text = f"{_gain_pct_text(e)}% ({_better_in_text(e)})"
             else:
                 text = "—"
             cells[f"d = {d}"] = text
@@ -533,14 +532,13 @@ def _decimals(table: list[dict[str, Any]]) -> int:
 
 
 def _table_row(e: dict[str, Any], decimals: int) -> dict[str, Any]:
-    std = f" ± {e['test_std']:.{decimals}f}" if e["test_std"] is not None else ""
     return {
         "d": e["d"],
         "head": e["head"],
-        "test ppl": f"{e['test_ppl']:.{decimals}f}{std}",
+        "test ppl": _test_ppl_text(e, decimals),
         "gain (ppl)": f"{e['gain_ppl']:+.{decimals}f}" if "gain_ppl" in e else "—",
         "gain (%)": _gain_pct_text(e),
-        "better in": f"{e['better_seeds']}/{e['paired_seeds']}" if "gain_pct" in e else "—",
+        "better in": _better_in_text(e),
         "valid ppl": f"{e['valid_ppl']:.{decimals}f}",
         "epochs": round(e["epochs"], 1),
         "stopped early": f"{e['early_stopped']}/{e['seeds']}",
@@ -548,6 +546,15 @@ def _table_row(e: dict[str, Any], decimals: int) -> dict[str, Any]:
         "s/epoch": round(e["s_per_epoch"]),
         "params": f"{e['params']:,}",
     }
+
+
+def _test_ppl_text(e: dict[str, Any], decimals: int) -> str:
+    std = f" ± {e['test_std']:.{decimals}f}" if e["test_std"] is not None else ""
+    return f"{e['test_ppl']:.{decimals}f}{std}"
+
+
+def _better_in_text(e: dict[str, Any]) -> str:
+    return f"{e['better_seeds']}/{e['paired_seeds']}" if "gain_pct" in e else "—"
 
 
 def _gain_pct_text(e: dict[str, Any]) -> str:
