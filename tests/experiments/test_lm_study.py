@@ -271,15 +271,24 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     assert f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}" in text and "| 2/3 " in text
     grid = lm_study.gains_by_d(table, config, decimals=1)  # the head x d grid for a README
     assert grid == [
-        {"head": "softmax (test ppl)", "d = 16": f"110.0 ± {np.std(softmax, ddof=1):.1f}"},
-        {"head": "mos", "d = 16": f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}% (2/3)"},
-    ]
+        {"head": "softmax (test ppl)", "d = 16": f"110.0 ± {np.std(softmax, ddof=1):.1f}",
+         "published (PTB)": "58.37"},
+        {"head": "mos", "d = 16": f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}% (2/3)",
+         "published (PTB)": "+3.32%"},  # Yang et al.'s 3.3% (the issue's reading)
+    ]  # fmt: skip
     assert grid[1]["d = 16"] in text  # the report carries the grid under its table
     wider = dataclasses.replace(config, heads=("softmax", "sigsoftmax", "mos", "plif"), ds=(16, 32))
     rows.append(row("mos", 1, 95.0) | {"d": 32})  # no softmax cell at d = 32: a blank beside it
     grid = lm_study.gains_by_d(lm_study.summarize(rows, wider), wider, decimals=1)
     assert [r["head"] for r in grid] == ["softmax (test ppl)", "mos", "plif"]  # no sigsoftmax cell
     assert [r["d = 32"] for r in grid] == ["", "—", ""] and grid[2]["d = 16"] == "—"
+    published = {h: r.text() for h, r in lm_study.PUBLISHED_PTB.items()}
+    assert published == {"softmax": "58.37", "sigsoftmax": "+0.68%", "plif": "+1.92%",
+                         "mos": "+3.32%"}  # fmt: skip
+    control = lm_study.PRESETS["control"]  # 64 words: not the papers' setting, no such column
+    at_64 = [r | {"d": 64} for r in rows if r["head"] == "softmax"]
+    (softmax_row,) = lm_study.gains_by_d(lm_study.summarize(at_64, control), control, decimals=1)
+    assert "published (PTB)" not in softmax_row
     lm_study.plot_vs_d(table, config, tmp_path / "vs_d.png")
     assert (tmp_path / "vs_d.png").read_bytes()[:4] == b"\x89PNG"
 
