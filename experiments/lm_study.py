@@ -489,6 +489,7 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
             ", and the head's published gain on PTB over the same table's softmax (test "
             "perplexity without finetuning): "
             + "; ".join(f"{head}: {r.source}" for head, r in PUBLISHED_PTB.items())
+            + " (— where no PTB number is in this project's sources)"
         )
     lines[-1] += ":"
     lines += ["", markdown_table(grid)]
