@@ -25,11 +25,15 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
   number of positions, and over all of them (``all``; the test loss, up to how the run's own
   evaluation cuts the stream into windows). Paired with softmax's at the same d and seed, it
   shows on which words a head wins or loses (docs/beyond_rank.md reads the study's runs).
+* ``train_nll_by_train_count``: the same over the first ``--train_tokens`` positions of the
+  training stream (whole windows, no dropout), the data the run was fitted to. Test minus
+  training NLL is each group's generalization gap: a head that beats softmax on the training
+  words of a group and loses to it on the same group's test words overfits them.
 
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
 folder) and the same rows as a Markdown table beside it (``.md``), both rewritten as each run is
-measured, and prints the tables (the NLL by training count as ``NLL (minus softmax's at the same
-d and seed)``); where a head is paired with softmax so, a plot beside them (``.png``) shows how
+measured, and prints the tables (the NLL by training count, on the test set, on the training
+sample and their difference, as ``NLL (minus softmax's at the same d and seed)``); where a head is paired with softmax so, a plot beside them (``.png``) shows how
 its gap to softmax splits over the groups (:func:`count_gaps`), and where none is, no plot is
 left there. Each row names its run folder (``run``), times the exact LPs
 (``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
@@ -88,6 +92,8 @@ class Config(Checked):
 
     run_dirs: tuple[str, ...]  # language_model.py run folders
     tokens: Count = 2048  # validation positions (whole windows) for the estimates
+    #: training positions (the training stream's first whole windows) for the training NLL
+    train_tokens: Count = 200_000
     out: str | None = None  # JSON file; None: RUN/consequences.json of the first run
     #: keep --out's rows of other run folders (by folder name), replacing those measured again
     merge: bool = False
@@ -143,6 +149,8 @@ def nll_by_train_count(
     train_counts: np.ndarray,
     bptt: int,
     *,
+    positions: int | None = None,
+    flag: str = "the test set's length",
     edges: tuple[int, ...] = TRAIN_COUNT_EDGES,
     windows_per_call: int = 16,
 ) -> dict[str, dict[str, Any]]:
@@ -151,9 +159,11 @@ def nll_by_train_count(
 
     Args:
       model: a language model as :func:`experiments.generate.load_run` returns it.
-      tokens: a token stream ``[n]`` (the test set).
+      tokens: a token stream ``[n]`` (the test set, or the training stream).
       train_counts: each word's count in the training data ``[vocab]``.
       bptt: the window length.
+      positions: predict only the first whole windows within this many positions (None: all).
+      flag: what ``positions`` is called in the error if it holds no whole window.
       edges: the groups' upper edges (exclusive), increasing: ``(10, 100)`` makes ``0-9``,
         ``10-99`` and ``100+``.
       windows_per_call: windows evaluated at once (each holds ``[bptt, vocab]`` log-probs).
@@ -162,7 +172,9 @@ def nll_by_train_count(
       ``{group: {"nll": mean, "positions": count}}`` for each group of :func:`count_groups` and
       ``"all"``; a group with no position has ``nll`` None.
     """
-    windows, targets = validation_windows(tokens, len(tokens), bptt, flag="the test set's length")
+    windows, targets = validation_windows(
+        tokens, len(tokens) if positions is None else positions, bptt, flag=flag
+    )
     nll = np.concatenate([
         np.asarray(_target_nll(
             model, jnp.asarray(windows[i : i + windows_per_call]),
@@ -179,7 +191,7 @@ def nll_by_train_count(
     return result
 
 
-def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
+def measure_run(run_dir: str, tokens: int, train_tokens: int) -> dict[str, Any]:
     """The statistics of the module docstring for one run."""
     config, vocabulary, model = load_run(run_dir)
     corpus = config.data.load(run_dir)
@@ -216,6 +228,14 @@ def measure_run(run_dir: str, tokens: int) -> dict[str, Any]:
         "test_nll_by_train_count": nll_by_train_count(
             model, np.asarray(corpus.test), counts, config.data.bptt
         ),
+        "train_nll_by_train_count": nll_by_train_count(
+            model,
+            np.asarray(corpus.train),
+            counts,
+            config.data.bptt,
+            positions=train_tokens,
+            flag="--train_tokens",
+        ),  # fmt: skip
         "commit": code_commit(),
     }
 
@@ -225,54 +245,95 @@ def _pair_key(row: dict[str, Any]) -> tuple[int, int, int]:
     return row["d"], row["seed"], row["vocab_size"]
 
 
-def _softmax_pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict | None]]:
-    """The rows measured by training count, each with softmax's groups at the same d, seed and
-    vocabulary on the same positions (None for softmax's own rows and unpaired ones)."""
-    measured = [row for row in rows if "test_nll_by_train_count" in row]
-    softmax = {
-        _pair_key(row): row["test_nll_by_train_count"]
-        for row in measured
-        if row["head"] == "softmax"
-    }
+def _groups(row: dict[str, Any], key: str) -> dict[str, dict[str, Any]] | None:
+    """A row's NLL groups ``key`` (one of :data:`COUNT_SECTIONS`), or None if not measured."""
+    if key != "generalization_gap":
+        return row.get(key)
+    test, train = row.get("test_nll_by_train_count"), row.get("train_nll_by_train_count")
+    if test is None or train is None:
+        return None
+    return {
+        name: {
+            "nll": None if None in (group["nll"], train[name]["nll"])
+            else group["nll"] - train[name]["nll"],
+            "positions": group["positions"], "train_positions": train[name]["positions"],
+        }
+        for name, group in test.items()
+    }  # fmt: skip
+
+
+def _softmax_pairs(
+    rows: list[dict[str, Any]], key: str = "test_nll_by_train_count"
+) -> list[tuple[dict[str, Any], dict[str, Any], dict | None]]:
+    """The rows measured by training count (``key``), each with its groups and softmax's at
+    the same d, seed and vocabulary on the same positions (None for softmax's own rows and
+    unpaired ones)."""
+    measured = [(row, groups) for row in rows if (groups := _groups(row, key)) is not None]
+    softmax = {_pair_key(row): groups for row, groups in measured if row["head"] == "softmax"}
     pairs = []
-    for row in measured:
+    for row, groups in measured:
         base = softmax.get(_pair_key(row)) if row["head"] != "softmax" else None
-        groups = row["test_nll_by_train_count"]
-        if base is not None and any(base[g]["positions"] != groups[g]["positions"] for g in groups):
+        if base is not None and any(
+            base[g].get(n) != groups[g].get(n) for g in groups for n in _POSITIONS
+        ):
             base = None  # other windows: not comparable group by group
-        pairs.append((row, base))
+        pairs.append((row, groups, base))
     return pairs
 
 
-def count_table(rows: list[dict[str, Any]]) -> str:
-    """The rows' ``test_nll_by_train_count`` as a Markdown section: each group's mean NLL and, in
-    brackets, minus softmax's where ``rows`` hold softmax's run at the same d, seed and
-    vocabulary (on the same positions); empty if no row has it."""
-    pairs = _softmax_pairs(rows)
-    if not pairs:
-        return ""
-    cells = []
-    for row, base in pairs:
-        line = {"run": row["run"]}
-        for name, group in row["test_nll_by_train_count"].items():
-            line[name] = None if group["nll"] is None else f"{group['nll']:.3f}"
-            if line[name] and base is not None and base[name]["nll"] is not None:
-                line[name] += f" ({group['nll'] - base[name]['nll']:+.3f})"
-        cells.append(line)
-    counts = "; ".join(dict.fromkeys(  # each distinct grouping once, in order
-        f"vocabulary {row['vocab_size']:,}: " + ", ".join(
-            f"{name}: {group['positions']:,}"
-            for name, group in row["test_nll_by_train_count"].items()
-        )
-        for row, _ in pairs
-    ))  # fmt: skip
-    return (
-        "## Test NLL by the target word's training count\n\n"
+_POSITIONS = ("positions", "train_positions")
+
+#: The sections of :func:`count_table`: the groups' key and what the section says of them.
+COUNT_SECTIONS = {
+    "test_nll_by_train_count": (
+        "Test NLL by the target word's training count",
         "Mean NLL (nats) over the test set's whole windows, grouped by how often the target "
-        "word occurs in the training data; in brackets, minus softmax's at the same d and seed "
-        f"(negative: the head does better there). Positions per group ({counts}).\n\n"
-        + markdown_table(cells)
-    )
+        "word occurs in the training data",
+    ),
+    "train_nll_by_train_count": (
+        "Training NLL by the target word's training count",
+        "The same over the first whole windows of the training stream (`--train_tokens`, no "
+        "dropout): how well each run fits the words it was trained on",
+    ),
+    "generalization_gap": (
+        "Generalization gap by the target word's training count",
+        "Test NLL minus training NLL, group by group: a head whose bracket here is positive "
+        "while its training bracket is negative fits those words better than softmax and "
+        "generalizes worse",
+    ),
+}
+
+
+def count_table(rows: list[dict[str, Any]]) -> str:
+    """The rows' NLL by training count as Markdown sections (:data:`COUNT_SECTIONS`: test,
+    training, their difference): each group's mean NLL and, in brackets, minus softmax's where
+    ``rows`` hold softmax's run at the same d, seed and vocabulary (on the same positions). A
+    section no row has is left out; empty if none."""
+    sections = []
+    for key, (heading, what) in COUNT_SECTIONS.items():
+        pairs = _softmax_pairs(rows, key)
+        if not pairs:
+            continue
+        cells = []
+        for row, groups, base in pairs:
+            line = {"run": row["run"]}
+            for name, group in groups.items():
+                line[name] = None if group["nll"] is None else f"{group['nll']:.3f}"
+                if line[name] and base is not None and base[name]["nll"] is not None:
+                    line[name] += f" ({group['nll'] - base[name]['nll']:+.3f})"
+            cells.append(line)
+        counts = "; ".join(dict.fromkeys(  # each distinct grouping once, in order
+            f"vocabulary {row['vocab_size']:,}: " + ", ".join(
+                f"{name}: {group['positions']:,}" for name, group in groups.items()
+            )
+            for row, groups, _ in pairs
+        ))  # fmt: skip
+        sections.append(
+            f"## {heading}\n\n{what}; in brackets, minus softmax's at the same d and seed "
+            f"(negative: the head does better there). Positions per group ({counts}).\n\n"
+            + markdown_table(cells)
+        )
+    return "\n\n".join(sections)
 
 
 def count_gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -284,10 +345,9 @@ def count_gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     group: the mean over the seeds paired (``gap_nats``) and their number (``seeds``).
     """
     per_group: dict[tuple[str, int, str], list[float]] = {}
-    for row, base in _softmax_pairs(rows):
+    for row, groups, base in _softmax_pairs(rows):
         if base is None:
             continue
-        groups = row["test_nll_by_train_count"]
         for name, group in groups.items():
             if name == "all" or group["nll"] is None:  # an empty group adds nothing
                 continue
@@ -358,7 +418,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with one_line_errors(config):
         rows = earlier_rows(out) if config.merge else []
         for run_dir in progress(config.run_dirs, desc="runs"):
-            rows = merged(rows, measure_run(run_dir, config.tokens))
+            rows = merged(rows, measure_run(run_dir, config.tokens, config.train_tokens))
             # Both files after each run (minutes each): an interrupted call keeps the rows it
             # measured, and the table always shows the JSON's rows, no more.
             table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")

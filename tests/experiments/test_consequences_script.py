@@ -63,6 +63,15 @@ def test_rows_follow_the_library_functions(runs, tmp_path):
     for row in rows:
         assert 0.0 <= row["unargmaxable_train_share"] <= 1.0
         assert 1 <= row["hidden_size_estimate"] <= min(row["positions"], m)
+    # The training sample: every whole window of the smoke corpus's short training stream.
+    config, _, _ = load_run(str(runs["softmax"]))
+    train = np.asarray(config.data.load(str(runs["softmax"])).train)
+    whole = (len(train) - 1) // config.data.bptt * config.data.bptt
+    assert softmax["train_nll_by_train_count"]["all"]["positions"] == whole
+    headings = [line for line in page if line.startswith("## ")]
+    assert headings == ["## Test NLL by the target word's training count",
+                        "## Training NLL by the target word's training count",
+                        "## Generalization gap by the target word's training count"]  # fmt: skip
 
 
 def test_a_call_with_no_head_paired_with_softmax_leaves_no_earlier_plot(runs, tmp_path):
@@ -98,6 +107,14 @@ def test_nll_by_train_count_matches_a_direct_computation(runs):
             np.testing.assert_allclose(groups[name]["nll"], np.mean(values), rtol=1e-5)
         else:
             assert groups[name]["nll"] is None
+    # positions= keeps the first whole windows: here the first two, as a stream cut after them.
+    first = consequences.nll_by_train_count(
+        model, test, counts, bptt, positions=2 * bptt + 1, edges=edges
+    )
+    assert first == consequences.nll_by_train_count(
+        model, test[: 2 * bptt + 1], counts, bptt, edges=edges
+    )
+    assert first["all"]["positions"] == 2 * bptt
 
 
 def test_nll_by_train_count_refuses_a_test_set_without_a_whole_window(runs):
@@ -135,6 +152,47 @@ def test_count_table_pairs_each_head_with_softmax_at_the_same_d_and_seed():
         ["mos-d8-s1", "5.000", "1.000"],
     ]
     assert consequences.count_table(rows[-1:]) == ""
+
+
+def test_count_table_adds_training_nll_and_the_generalization_gap_where_measured():
+    def groups(nll, positions=(5, 7)):
+        return {"0-9": {"nll": nll[0], "positions": positions[0]},
+                "10+": {"nll": nll[1], "positions": positions[1]}}  # fmt: skip
+
+    def row(run, head, test, train=None, train_positions=(50, 70)):
+        r = {"run": run, "head": head, "d": 8, "seed": 1, "vocab_size": 50,
+             "test_nll_by_train_count": groups(test)}  # fmt: skip
+        if train is not None:
+            r["train_nll_by_train_count"] = groups(train, train_positions)
+        return r
+
+    rows = [
+        row("softmax-d8-s1", "softmax", (6.0, 3.0), (5.0, 2.5)),
+        row("mos-d8-s1", "mos", (6.5, 3.0), (4.0, 2.25)),  # fits better, generalizes worse
+        row("plif-d8-s1", "plif", (5.5, 3.0), (4.5, 2.5), train_positions=(40, 80)),
+        row("old-d8-s1", "sigsoftmax", (6.0, 3.0)),  # measured before the training NLL
+    ]
+    sections = consequences.count_table(rows).split("\n\n## ")
+    assert [s.splitlines()[0].lstrip("# ") for s in sections] == [
+        "Test NLL by the target word's training count",
+        "Training NLL by the target word's training count",
+        "Generalization gap by the target word's training count",
+    ]
+
+    def body(section):
+        lines = section.splitlines()[4:]
+        return [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
+
+    assert body(sections[1]) == [
+        ["softmax-d8-s1", "5.000", "2.500"],
+        ["mos-d8-s1", "4.000 (-1.000)", "2.250 (-0.250)"],
+        ["plif-d8-s1", "4.500", "2.500"],  # another training sample: not paired
+    ]
+    assert body(sections[2]) == [
+        ["softmax-d8-s1", "1.000", "0.500"],
+        ["mos-d8-s1", "2.500 (+1.500)", "0.750 (+0.250)"],
+        ["plif-d8-s1", "1.000", "0.500"],
+    ]
 
 
 def test_count_gaps_split_each_heads_gap_to_softmax_over_the_groups(tmp_path):
