@@ -38,7 +38,9 @@ its gap to softmax splits over the groups (:func:`count_gaps`), and where none i
 left there. Each row names its run folder (``run``), times the exact LPs
 (``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
 grid's rows call by call (``experiments/lm_study_grid.sh`` measures each cell as it lands): the
-rows it holds for other run folders are kept, and a run measured again replaces its row.
+rows it holds for other run folders are kept, and a run measured again replaces its row;
+``--fill_missing`` adds to a run's row only the measurements it lacks (those added to this
+script since it was measured), recording their commit in the row's ``filled``.
 """
 
 from __future__ import annotations
@@ -97,11 +99,16 @@ class Config(Checked):
     out: str | None = None  # JSON file; None: RUN/consequences.json of the first run
     #: keep --out's rows of other run folders (by folder name), replacing those measured again
     merge: bool = False
+    #: with --merge, a run that has a row measures only what its row lacks (a measurement added
+    #: since), kept beside the row's other fields
+    fill_missing: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.run_dirs:
             raise ValueError("--run_dirs must name at least one run folder")
+        if self.fill_missing and not self.merge:
+            raise ValueError("--fill_missing adds to --out's rows: it needs --merge")
 
 
 @nnx.jit
@@ -191,24 +198,33 @@ def nll_by_train_count(
     return result
 
 
-def measure_run(run_dir: str, tokens: int, train_tokens: int) -> dict[str, Any]:
-    """The statistics of the module docstring for one run."""
+#: A row's measurements and the fields each writes (``--fill_missing`` runs only those an
+#: earlier row lacks).
+MEASUREMENTS = {
+    "decoder": (
+        "unargmaxable", "unargmaxable_train_share", "unargmaxable_seconds", "unargmaxable_tokens",
+    ),
+    "validation": (
+        "unargmaxable_seen_as_argmax", "distinct_argmaxes", "hidden_size_estimate",
+        "gradient_ratio_median", "positions",
+    ),
+    "test_nll": ("test_nll_by_train_count",),
+    "train_nll": ("train_nll_by_train_count",),
+}  # fmt: skip
+
+
+def measure_run(
+    run_dir: str,
+    tokens: int,
+    train_tokens: int,
+    measurements: tuple[str, ...] = tuple(MEASUREMENTS),
+) -> dict[str, Any]:
+    """The statistics of the module docstring for one run (those of ``measurements``)."""
     config, vocabulary, model = load_run(run_dir)
     corpus = config.data.load(run_dir)
     vocab_size = len(vocabulary)
     head = model.head
-    decoder = np.asarray(head.decoder[...], np.float64)[:vocab_size]
-    bias = None if head.bias is None else np.asarray(head.bias[...], np.float64)[:vocab_size]
-    start = time.perf_counter()
-    unargmaxable = bn.unargmaxable_tokens(decoder, bias)
-    seconds = time.perf_counter() - start
-    counts = np.bincount(np.asarray(corpus.train), minlength=vocab_size)
-    windows, targets = validation_windows(np.asarray(corpus.validation), tokens, config.data.bptt)
-    h = head_inputs(model, windows)
-    log_probs = np.asarray(head(h), np.float32).reshape(-1, vocab_size)
-    ratios = gradient_ratios(head, h.reshape(-1, h.shape[-1]), targets.reshape(-1))
-    argmaxes = np.unique(log_probs.argmax(axis=-1))
-    return {
+    row = {
         "run": Path(run_dir).name,
         "run_dir": run_dir,
         "head": config.head.name,
@@ -216,27 +232,57 @@ def measure_run(run_dir: str, tokens: int, train_tokens: int) -> dict[str, Any]:
         "latent": config.head.latent if head.is_mixture else None,
         "d": int(head.in_features),
         "vocab_size": vocab_size,
-        "unargmaxable": int(unargmaxable.size),
-        "unargmaxable_train_share": float(counts[unargmaxable].sum() / counts.sum()),
-        "unargmaxable_seconds": seconds,
-        "unargmaxable_tokens": [vocabulary.tokens[i] for i in unargmaxable[:20]],
-        "unargmaxable_seen_as_argmax": int(np.isin(unargmaxable, argmaxes).sum()),
-        "distinct_argmaxes": int(argmaxes.size),
-        "hidden_size_estimate": bn.estimate_hidden_size(jnp.asarray(log_probs)),
-        "gradient_ratio_median": float(np.median(ratios)),
-        "positions": int(log_probs.shape[0]),
-        "test_nll_by_train_count": nll_by_train_count(
+    }
+    counts = np.bincount(np.asarray(corpus.train), minlength=vocab_size)
+    if "decoder" in measurements or "validation" in measurements:
+        decoder = np.asarray(head.decoder[...], np.float64)[:vocab_size]
+        bias = None if head.bias is None else np.asarray(head.bias[...], np.float64)[:vocab_size]
+        start = time.perf_counter()
+        unargmaxable = bn.unargmaxable_tokens(decoder, bias)
+        seconds = time.perf_counter() - start
+    if "decoder" in measurements:
+        row["unargmaxable"] = int(unargmaxable.size)
+        row["unargmaxable_train_share"] = float(counts[unargmaxable].sum() / counts.sum())
+        row["unargmaxable_seconds"] = seconds
+        row["unargmaxable_tokens"] = [vocabulary.tokens[i] for i in unargmaxable[:20]]
+    if "validation" in measurements:
+        bptt = config.data.bptt
+        windows, targets = validation_windows(np.asarray(corpus.validation), tokens, bptt)
+        h = head_inputs(model, windows)
+        log_probs = np.asarray(head(h), np.float32).reshape(-1, vocab_size)
+        ratios = gradient_ratios(head, h.reshape(-1, h.shape[-1]), targets.reshape(-1))
+        argmaxes = np.unique(log_probs.argmax(axis=-1))
+        row["unargmaxable_seen_as_argmax"] = int(np.isin(unargmaxable, argmaxes).sum())
+        row["distinct_argmaxes"] = int(argmaxes.size)
+        row["hidden_size_estimate"] = bn.estimate_hidden_size(jnp.asarray(log_probs))
+        row["gradient_ratio_median"] = float(np.median(ratios))
+        row["positions"] = int(log_probs.shape[0])
+    if "test_nll" in measurements:
+        row["test_nll_by_train_count"] = nll_by_train_count(
             model, np.asarray(corpus.test), counts, config.data.bptt
-        ),
-        "train_nll_by_train_count": nll_by_train_count(
-            model,
-            np.asarray(corpus.train),
-            counts,
-            config.data.bptt,
-            positions=train_tokens,
-            flag="--train_tokens",
-        ),  # fmt: skip
-        "commit": code_commit(),
+        )
+    if "train_nll" in measurements:
+        row["train_nll_by_train_count"] = nll_by_train_count(
+            model, np.asarray(corpus.train), counts, config.data.bptt,
+            positions=train_tokens, flag="--train_tokens",
+        )  # fmt: skip
+    return {**row, "commit": code_commit()}
+
+
+def filled(earlier: dict[str, Any], config: Config, run_dir: str) -> dict[str, Any]:
+    """``earlier`` (a run's row) with the measurements it lacks added, each recorded in
+    ``filled`` with the commit that measured it; unchanged if it lacks none."""
+    missing = tuple(
+        name for name, fields in MEASUREMENTS.items() if any(f not in earlier for f in fields)
+    )
+    if not missing:
+        return earlier
+    new = measure_run(run_dir, config.tokens, config.train_tokens, missing)
+    added = {f: new[f] for name in missing for f in MEASUREMENTS[name]}
+    return {
+        **earlier,
+        **added,
+        "filled": {**earlier.get("filled", {}), **dict.fromkeys(missing, new["commit"])},
     }
 
 
@@ -418,7 +464,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with one_line_errors(config):
         rows = earlier_rows(out) if config.merge else []
         for run_dir in progress(config.run_dirs, desc="runs"):
-            rows = merged(rows, measure_run(run_dir, config.tokens, config.train_tokens))
+            earlier = {row["run"]: row for row in rows}.get(Path(run_dir).name)
+            if config.fill_missing and earlier is not None:
+                row = filled(earlier, config, run_dir)
+            else:
+                row = measure_run(run_dir, config.tokens, config.train_tokens)
+            rows = merged(rows, row)
             # Both files after each run (minutes each): an interrupted call keeps the rows it
             # measured, and the table always shows the JSON's rows, no more.
             table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")

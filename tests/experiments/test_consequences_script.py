@@ -279,6 +279,26 @@ def test_merge_keeps_other_runs_rows_and_replaces_a_run_measured_again(runs, tmp
     assert [r["run"] for r in json.loads(out.read_text())] == ["mos"]
 
 
+def test_fill_missing_measures_only_what_an_earlier_row_lacks(runs, tmp_path, capsys):
+    out = tmp_path / "c.json"
+    args = ["--tokens", "6", "--out", str(out), "--merge"]
+    softmax, mos = consequences.main(["--run_dirs", str(runs["softmax"]), str(runs["mos"]), *args])
+    # softmax's row predates the training NLL (and is marked: a field measured again would
+    # lose its mark); mos's row lacks nothing.
+    old = {k: v for k, v in softmax.items() if k != "train_nll_by_train_count"}
+    out.write_text(json.dumps([{**old, "unargmaxable": -1}, mos]))
+    rows = consequences.main(
+        ["--run_dirs", str(runs["softmax"]), str(runs["mos"]), "--fill_missing", *args]
+    )
+    assert rows[1] == mos
+    assert rows[0] == {**softmax, "unargmaxable": -1, "filled": {"train_nll": rows[0]["commit"]}}
+    assert json.loads(out.read_text()) == rows
+    with pytest.raises(SystemExit) as exit_info:
+        consequences.main(["--run_dirs", str(runs["mos"]), "--fill_missing", "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert "--fill_missing adds to --out's rows: it needs --merge" in capsys.readouterr().err
+
+
 def test_merge_refuses_a_file_that_is_not_its_rows(runs, tmp_path, capsys):
     out = tmp_path / "c.json"
     for text in ('{"run": "softmax"}', "[1, 2]", "not json"):
