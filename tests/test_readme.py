@@ -107,6 +107,45 @@ def test_readme_rare_word_shares_are_the_committed_results():
     assert f"they are {positions:.0%} of the test positions" in text
 
 
+def _train_test_gaps(run: str) -> tuple[float, float]:
+    """A cell's training and test NLL on the words seen 0-9 times, minus softmax's (same d, seed)."""
+    rows = {
+        r["run"]: r for r in json.loads((RESULTS / "consequences-ptb-transformer.json").read_text())
+    }
+    softmax = re.sub(r"^[a-z_]+-", "softmax-", run)
+    return tuple(
+        rows[run][key]["0-9"]["nll"] - rows[softmax][key]["0-9"]["nll"]
+        for key in ("train_nll_by_train_count", "test_nll_by_train_count")
+    )
+
+
+def test_readme_train_and_test_gaps_are_the_committed_results():
+    text = " ".join(README.read_text().split())
+    (mos_train, mos_test), (mixtape_train, mixtape_test) = map(
+        _train_test_gaps, ("mos-d128-s1", "mixtape-d128-s1")
+    )
+    assert f"(−{-mos_train:.2f} and −{-mixtape_train:.2f} nats)" in text
+    assert f"at test (+{mos_test:.2f} and +{mixtape_test:.2f}), overfitting" in text
+    train, test = _train_test_gaps("sigsoftmax-d128-s1")
+    assert f"(+{train:.2f} nats; +{test:.2f} at test), underfitting" in text
+
+
+def test_beyond_rank_train_and_test_table_is_the_committed_results():
+    lines = (ROOT / "docs" / "beyond_rank.md").read_text().splitlines()
+    start = lines.index(
+        "| head | d = 16 (s2): train / test | d = 32 (s2) | d = 64 (s2) | d = 128 (s1) |"
+    )
+    cells = {"d16-s2": 1, "d32-s2": 2, "d64-s2": 3, "d128-s1": 4}
+    names = {"sigsoftmax": "sigsoftmax", "PLIF": "plif", "MoS": "mos", "Mixtape": "mixtape"}
+    rows = [line.split("|")[1:-1] for line in lines[start + 2 : start + 6]]
+    assert [r[0].strip() for r in rows] == list(names)
+    for row in rows:
+        for cell, column in cells.items():
+            train, test = _train_test_gaps(f"{names[row[0].strip()]}-{cell}")
+            want = f"{train:+.2f} / {test:+.2f}".replace("-", "−")
+            assert row[column].strip() == want.replace("−0.00", "+0.00"), (row[0], cell)
+
+
 def test_guide_says_every_cell_converged_only_while_every_row_has():
     """A row that lands unconverged (the grid commits rows as they land) turns this red until
     the language-model guide's status stops saying otherwise."""
