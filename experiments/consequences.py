@@ -33,10 +33,11 @@ For each run (its config, vocabulary and best parameters, as ``generate.py`` loa
 Writes one JSON row per run to ``--out`` (default: ``consequences.json`` in the first run's
 folder) and the same rows as a Markdown table beside it (``.md``), both rewritten as each run is
 measured, and prints the tables (the NLL by training count, on the test set, on the training
-sample and their difference, as ``NLL (minus softmax's at the same d and seed)``); where a head is paired with softmax so, a plot beside them (``.png``) shows how
-its gap to softmax splits over the groups (:func:`count_gaps`), and where none is, no plot is
-left there. Each row names its run folder (``run``), times the exact LPs
-(``unargmaxable_seconds``) and records the code's commit. With ``--merge`` the file gathers a
+sample and their difference, as ``NLL (minus softmax's at the same d and seed)``); where a head
+is paired with softmax so, a plot beside them (``.png``) shows how its gap to softmax splits over
+the groups (:func:`count_gaps`), and where none is, no plot is left there. Each row names its
+run folder (``run``), times the exact LPs (``unargmaxable_seconds``) and records the code's
+commit. With ``--merge`` the file gathers a
 grid's rows call by call (``experiments/lm_study_grid.sh`` measures each cell as it lands): the
 rows it holds for other run folders are kept, and a run measured again replaces its row;
 ``--fill_missing`` adds to a run's row only the measurements it lacks (those added to this
@@ -308,6 +309,11 @@ def _groups(row: dict[str, Any], key: str) -> dict[str, dict[str, Any]] | None:
     }  # fmt: skip
 
 
+#: What must match for a head's groups to be compared with softmax's: the same test positions
+#: (and training positions, for the generalization gap).
+_POSITIONS = ("positions", "train_positions")
+
+
 def _softmax_pairs(
     rows: list[dict[str, Any]], key: str = "test_nll_by_train_count"
 ) -> list[tuple[dict[str, Any], dict[str, Any], dict | None]]:
@@ -326,8 +332,6 @@ def _softmax_pairs(
         pairs.append((row, groups, base))
     return pairs
 
-
-_POSITIONS = ("positions", "train_positions")
 
 #: The sections of :func:`count_table`: the groups' key and what the section says of them.
 COUNT_SECTIONS = {
