@@ -514,8 +514,9 @@ def gains_by_d(table: list[dict[str, Any]], config: Config, decimals: int) -> li
     head or d with no cell at all has no row or column. For a study of PTB's 10,000 words, a
     last column gives the head's published gain there (:data:`PUBLISHED_PTB`)."""
     entries = {(e["head"], e["d"]): e for e in table}
-    ds = [d for d in config.ds if d in {d_ for _, d_ in entries}]
-    heads = [h for h in config.heads if h in {h_ for h_, _ in entries}]
+    ds_recorded, heads_recorded = {d for _, d in entries}, {h for h, _ in entries}
+    ds = [d for d in config.ds if d in ds_recorded]
+    heads = [h for h in config.heads if h in heads_recorded]
     published = config.trunk.data.corpus == "ptb" and config.trunk.data.vocab_size is None
     grid = []
     for head in heads:
