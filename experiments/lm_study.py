@@ -405,9 +405,7 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
     done = [r for r in rows if r["status"] == "done"]
     table = []
     for d in config.ds:
-        base_by_seed = {
-            r["seed"]: r["test_ppl"] for r in done if r["head"] == "softmax" and r["d"] == d
-        }
+        base = {r["seed"]: r for r in done if r["head"] == "softmax" and r["d"] == d}
         for head in config.heads:
             cells = [r for r in done if r["head"] == head and r["d"] == d]
             if not cells:
@@ -428,7 +426,10 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
                 "params": cells[0]["params"],
             }
             if head != "softmax":
-                entry.update(_paired_gains(cells, base_by_seed))
+                entry.update(_paired_gains(cells, {k: r["test_ppl"] for k, r in base.items()}))
+                entry.update(
+                    _paired_cost(cells, {k: r["seconds_per_epoch"] for k, r in base.items()})
+                )
             table.append(entry)
     return table
 
@@ -450,6 +451,23 @@ def _paired_gains(cells: list[dict[str, Any]], base_by_seed: dict[int, float]) -
         "gain_pct_std": float(np.std(gains, ddof=1)) if len(gains) > 1 else None,
         "better_seeds": sum(g > 0 for g in gains),
         "paired_seeds": len(gains),
+    }
+
+
+def _paired_cost(cells: list[dict[str, Any]], base_by_seed: dict[int, float]) -> dict[str, Any]:
+    """The head's seconds per epoch over softmax's, seed by seed (a seed's cells ran on one
+    machine, so its ratio cancels the machine's speed, which the seeds' seconds do not share):
+    the median over the seeds where both finished, and the smallest and largest. Empty if no
+    seed has both."""
+    ratios = [
+        r["seconds_per_epoch"] / base_by_seed[r["seed"]] for r in cells if r["seed"] in base_by_seed
+    ]
+    if not ratios:
+        return {}
+    return {
+        "time_ratio": float(np.median(ratios)),
+        "time_ratio_min": float(min(ratios)),
+        "time_ratio_max": float(max(ratios)),
     }
 
 
@@ -493,6 +511,24 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         )
     lines[-1] += ":"
     lines += ["", markdown_table(grid)]
+    costs = costs_by_d(table, config)
+    if costs:
+        lines += [
+            "",
+            "Cost: each head's seconds per epoch over softmax's at the same d and seed, the "
+            "median over the paired seeds (smallest–largest). A seed's cells run one after "
+            "another, usually on one machine, so the ratio cancels the machine's speed, which "
+            "the s/epoch column above does not where seeds ran on different machines"
+            + (
+                "; the last column is the published ratio on PTB (the seconds per epoch in the "
+                "sources above, on a GPU)"
+                if "published (PTB)" in costs[0]
+                else ""
+            )
+            + ":",
+            "",
+            markdown_table(costs),
+        ]
     pending = [r for r in rows if r["status"] == "pending"]
     if pending:
         lines += [
@@ -538,19 +574,59 @@ def gains_by_d(table: list[dict[str, Any]], config: Config, decimals: int) -> li
     return grid
 
 
+def costs_by_d(table: list[dict[str, Any]], config: Config) -> list[dict[str, str]]:
+    """Each head's seconds per epoch over softmax's, a column per d: the median over the paired
+    seeds and, with two or more, the smallest and largest ("—" where no seed is paired, blank
+    where no cell); for a study of PTB's 10,000 words, a last column gives the published ratio
+    where :data:`PUBLISHED_PTB` has both seconds. No softmax row, and none without a cell."""
+    entries = {(e["head"], e["d"]): e for e in table}
+    ds = [d for d in config.ds if any(d == d_ for _, d_ in entries)]
+    heads = [h for h in config.heads if h != "softmax" and any(h == h_ for h_, _ in entries)]
+    published = config.trunk.data.corpus == "ptb" and config.trunk.data.vocab_size is None
+    grid = []
+    for head in heads:
+        cells = {"head": head}
+        for d in ds:
+            e = entries.get((head, d))
+            cells[f"d = {d}"] = "" if e is None else _time_ratio_text(e)
+        if published:
+            result = PUBLISHED_PTB.get(head)
+            cells["published (PTB)"] = (
+                result.time_ratio_text(PUBLISHED_PTB["softmax"]) if result else "—"
+            )
+        grid.append(cells)
+    return grid
+
+
+def _time_ratio_text(e: dict[str, Any]) -> str:
+    if "time_ratio" not in e:
+        return "—"
+    if e["time_ratio_min"] == e["time_ratio_max"]:
+        return f"{e['time_ratio']:.2f}×"
+    return f"{e['time_ratio']:.2f}× ({e['time_ratio_min']:.2f}–{e['time_ratio_max']:.2f})"
+
+
 @dataclasses.dataclass(frozen=True)
 class PublishedResult:
     """A head's published test perplexity on PTB (10,000 words, without finetuning) beside
-    softmax's in the same table (``softmax_ppl`` is None for softmax's own row)."""
+    softmax's in the same table (``softmax_ppl`` is None for softmax's own row), and its
+    seconds per epoch where the table gives them."""
 
     source: str
     head_ppl: float
     softmax_ppl: float | None = None
+    seconds_per_epoch: float | None = None
 
     def text(self) -> str:
         if self.softmax_ppl is None:
             return f"{self.head_ppl:g}"
         return f"{100.0 * (self.softmax_ppl - self.head_ppl) / self.softmax_ppl:+.2f}%"
+
+    def time_ratio_text(self, softmax: PublishedResult) -> str:
+        """Its seconds per epoch over ``softmax``'s, as the cost grid writes it."""
+        if self.seconds_per_epoch is None or softmax.seconds_per_epoch is None:
+            return "—"
+        return f"{self.seconds_per_epoch / softmax.seconds_per_epoch:.2f}×"
 
 
 #: The seeds' claims, for the report's last column: each against the softmax of the same table
@@ -559,19 +635,25 @@ class PublishedResult:
 #: (Yang et al. 2019) reports PTB, but its table is not among this project's sources.
 PUBLISHED_PTB: dict[str, PublishedResult] = {
     "softmax": PublishedResult(
-        "AWD-LSTM (Merity et al. 2017) as tabulated by Ganea et al. 2019, ~60 s per epoch", 58.37
+        "AWD-LSTM (Merity et al. 2017) as tabulated by Ganea et al. 2019, ~60 s per epoch",
+        58.37,
+        seconds_per_epoch=60.0,
     ),
     "sigsoftmax": PublishedResult(
         "Kanai et al. 2018, Table 4 (3-layer AWD-LSTM, mean of 10 runs: 58.8 → 58.4)", 58.4, 58.8
     ),
     "plif": PublishedResult(
-        "Ganea et al. 2019 (10^5 knots: 58.37 → 57.25, ~70 s per epoch)", 57.25, 58.37
+        "Ganea et al. 2019 (10^5 knots: 58.37 → 57.25, ~70 s per epoch)",
+        57.25,
+        58.37,
+        seconds_per_epoch=70.0,
     ),
     "mos": PublishedResult(
         "Yang et al. 2018 (K = 15) as tabulated by Ganea et al. 2019 (58.37 → 56.43, ~150 s per "
         "epoch)",
         56.43,
         58.37,
+        seconds_per_epoch=150.0,
     ),
 }
 

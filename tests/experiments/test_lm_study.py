@@ -293,6 +293,36 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     assert (tmp_path / "vs_d.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cost_is_the_ratio_to_softmax_seed_by_seed():
+    """Seeds that ran on machines of different speeds: each seed's ratio to its own softmax is
+    what the cost grid gives (the median and range over seeds), not the ratio of medians."""
+    config = lm_study.Config(heads=("softmax", "plif", "mos"), ds=(16, 32), seeds=(1, 2, 3))
+
+    def row(head, seed, seconds, d=16):
+        return {"head": head, "d": d, "seed": seed, "status": "done", "test_ppl": 100.0,
+                "valid_ppl": 100.0, "epochs": 5, "stop_reason": "early stopping",
+                "converged": True, "seconds_per_epoch": seconds, "params": 10}  # fmt: skip
+
+    softmax, mos = [60.0, 60.0, 120.0], [150.0, 180.0, 240.0]  # seed 3: a machine 2x slower
+    rows = [row("softmax", s, t) for s, t in zip((1, 2, 3), softmax, strict=True)]
+    rows += [row("mos", s, t) for s, t in zip((1, 2, 3), mos, strict=True)]
+    rows += [row("plif", 1, 70.0), row("plif", 4, 90.0)]  # seed 4: no softmax, no ratio
+    rows += [row("mos", 1, 50.0, d=32)]  # no softmax cell at d = 32
+    table = lm_study.summarize(rows, config)
+    (entry,) = [e for e in table if e["head"] == "mos" and e["d"] == 16]
+    ratios = (entry["time_ratio"], entry["time_ratio_min"], entry["time_ratio_max"])
+    assert ratios == (2.5, 2.0, 3.0)  # not 200 / 60: the ratio of the medians
+    grid = lm_study.costs_by_d(table, config)
+    assert grid == [
+        {"head": "plif", "d = 16": "1.17×", "d = 32": "", "published (PTB)": "1.17×"},
+        {"head": "mos", "d = 16": "2.50× (2.00–3.00)", "d = 32": "—", "published (PTB)": "2.50×"},
+    ]  # fmt: skip  (Ganea et al.'s ~70 and ~150 s per epoch against softmax's ~60)
+    assert "2.50× (2.00–3.00)" in lm_study.markdown(table, rows, config)
+    control = lm_study.PRESETS["control"]  # 64 words: not the papers' setting, no such column
+    at_64 = lm_study.summarize([r | {"d": 64} for r in rows if r["d"] == 16], control)
+    assert "published (PTB)" not in lm_study.costs_by_d(at_64, control)[0]
+
+
 def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke, tmp_path):
     reference, _ = smoke
     out = tmp_path / "report"
