@@ -426,22 +426,20 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
                 "params": cells[0]["params"],
             }
             if head != "softmax":
-                entry.update(_paired_gains(cells, {k: r["test_ppl"] for k, r in base.items()}))
-                entry.update(
-                    _paired_cost(cells, {k: r["seconds_per_epoch"] for k, r in base.items()})
-                )
+                entry.update(_paired_gains(cells, base))
+                entry.update(_paired_cost(cells, base))
             table.append(entry)
     return table
 
 
-def _paired_gains(cells: list[dict[str, Any]], base_by_seed: dict[int, float]) -> dict[str, Any]:
+def _paired_gains(cells: list[dict[str, Any]], base: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The gain over softmax seed by seed, over the seeds where both finished (the heads of one
     seed share its data order and initial trunk): its mean in perplexity and in %, the spread
     of the per-seed gains in % (``None`` below two seeds) and how many seeds the head beats
-    softmax in. Empty if no seed has both. A seed of the head alone counts in its mean
+    softmax in (``base``: softmax's rows at the same d, by seed). Empty if no seed has both. A seed of the head alone counts in its mean
     perplexity, not in its gain: compared with softmax's other seeds, the seeds' own spread
     would pass for a head's gain."""
-    pairs = [(base_by_seed[r["seed"]], r["test_ppl"]) for r in cells if r["seed"] in base_by_seed]
+    pairs = [(base[r["seed"]]["test_ppl"], r["test_ppl"]) for r in cells if r["seed"] in base]
     if not pairs:
         return {}
     gains = [100.0 * (base - ppl) / base for base, ppl in pairs]
@@ -454,13 +452,15 @@ def _paired_gains(cells: list[dict[str, Any]], base_by_seed: dict[int, float]) -
     }
 
 
-def _paired_cost(cells: list[dict[str, Any]], base_by_seed: dict[int, float]) -> dict[str, Any]:
-    """The head's seconds per epoch over softmax's, seed by seed (a seed's cells ran on one
-    machine, so its ratio cancels the machine's speed, which the seeds' seconds do not share):
+def _paired_cost(cells: list[dict[str, Any]], base: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The head's seconds per epoch over softmax's, seed by seed (a seed's cells usually run on
+    one machine, so its ratio cancels the machine's speed, which the seeds' seconds may not share):
     the median over the seeds where both finished, and the smallest and largest. Empty if no
     seed has both."""
     ratios = [
-        r["seconds_per_epoch"] / base_by_seed[r["seed"]] for r in cells if r["seed"] in base_by_seed
+        r["seconds_per_epoch"] / base[r["seed"]]["seconds_per_epoch"]
+        for r in cells
+        if r["seed"] in base
     ]
     if not ratios:
         return {}
@@ -549,11 +549,7 @@ def gains_by_d(table: list[dict[str, Any]], config: Config, decimals: int) -> li
     then each head's paired gain over it ("—" where no seed is paired, blank where no cell); a
     head or d with no cell at all has no row or column. For a study of PTB's 10,000 words, a
     last column gives the head's published gain there (:data:`PUBLISHED_PTB`)."""
-    entries = {(e["head"], e["d"]): e for e in table}
-    ds_recorded, heads_recorded = {d for _, d in entries}, {h for h, _ in entries}
-    ds = [d for d in config.ds if d in ds_recorded]
-    heads = [h for h in config.heads if h in heads_recorded]
-    published = config.trunk.data.corpus == "ptb" and config.trunk.data.vocab_size is None
+    entries, heads, ds, published = _grid_axes(table, config)
     grid = []
     for head in heads:
         cells = {"head": f"{head} (test ppl)" if head == "softmax" else head}
@@ -574,17 +570,27 @@ def gains_by_d(table: list[dict[str, Any]], config: Config, decimals: int) -> li
     return grid
 
 
+def _grid_axes(
+    table: list[dict[str, Any]], config: Config
+) -> tuple[dict[tuple[str, int], dict[str, Any]], list[str], list[int], bool]:
+    """What a head x d grid of the summary shows: its entries by (head, d), the heads and the
+    d's that have a cell (in the config's order), and whether the study is PTB's 10,000 words,
+    where :data:`PUBLISHED_PTB`'s column applies."""
+    entries = {(e["head"], e["d"]): e for e in table}
+    heads = [h for h in config.heads if h in {h_ for h_, _ in entries}]
+    ds = [d for d in config.ds if d in {d_ for _, d_ in entries}]
+    published = config.trunk.data.corpus == "ptb" and config.trunk.data.vocab_size is None
+    return entries, heads, ds, published
+
+
 def costs_by_d(table: list[dict[str, Any]], config: Config) -> list[dict[str, str]]:
     """Each head's seconds per epoch over softmax's, a column per d: the median over the paired
     seeds and, with two or more, the smallest and largest ("—" where no seed is paired, blank
     where no cell); for a study of PTB's 10,000 words, a last column gives the published ratio
     where :data:`PUBLISHED_PTB` has both seconds. No softmax row, and none without a cell."""
-    entries = {(e["head"], e["d"]): e for e in table}
-    ds = [d for d in config.ds if any(d == d_ for _, d_ in entries)]
-    heads = [h for h in config.heads if h != "softmax" and any(h == h_ for h_, _ in entries)]
-    published = config.trunk.data.corpus == "ptb" and config.trunk.data.vocab_size is None
+    entries, heads, ds, published = _grid_axes(table, config)
     grid = []
-    for head in heads:
+    for head in (h for h in heads if h != "softmax"):
         cells = {"head": head}
         for d in ds:
             e = entries.get((head, d))
