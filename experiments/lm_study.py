@@ -529,6 +529,15 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
             "",
             markdown_table(costs),
         ]
+    done = [r for r in rows if r["status"] == "done"]
+    if done:
+        hours = sum(r["train_seconds"] for r in done) / 3600
+        lines += [
+            "",
+            f"Compute: the {len(done)} finished cells trained for {hours:.1f} hours in all (the "
+            "sum of their training seconds; evaluation, the consequences' measurements and "
+            "time lost to interruptions not counted).",
+        ]
     pending = [r for r in rows if r["status"] == "pending"]
     if pending:
         lines += [

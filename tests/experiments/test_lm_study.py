@@ -301,7 +301,8 @@ def test_cost_is_the_ratio_to_softmax_seed_by_seed():
     def row(head, seed, seconds, d=16):
         return {"head": head, "d": d, "seed": seed, "status": "done", "test_ppl": 100.0,
                 "valid_ppl": 100.0, "epochs": 5, "stop_reason": "early stopping",
-                "converged": True, "seconds_per_epoch": seconds, "params": 10}  # fmt: skip
+                "converged": True, "seconds_per_epoch": seconds, "train_seconds": 5 * seconds,
+                "params": 10}  # fmt: skip
 
     softmax, mos = [60.0, 60.0, 120.0], [150.0, 180.0, 240.0]  # seed 3: a machine 2x slower
     rows = [row("softmax", s, t) for s, t in zip((1, 2, 3), softmax, strict=True)]
@@ -317,7 +318,10 @@ def test_cost_is_the_ratio_to_softmax_seed_by_seed():
         {"head": "plif", "d = 16": "1.17×", "d = 32": "", "published (PTB)": "1.17×"},
         {"head": "mos", "d = 16": "2.50× (2.00–3.00)", "d = 32": "—", "published (PTB)": "2.50×"},
     ]  # fmt: skip  (Ganea et al.'s ~70 and ~150 s per epoch against softmax's ~60)
-    assert "2.50× (2.00–3.00)" in lm_study.markdown(table, rows, config)
+    text = lm_study.markdown(table, rows, config)
+    assert "2.50× (2.00–3.00)" in text
+    # 5 epochs of 60+60+120+150+180+240+70+90+50 s = 5100 s in all
+    assert "the 9 finished cells trained for 1.4 hours in all" in " ".join(text.split())
     control = lm_study.PRESETS["control"]  # 64 words: not the papers' setting, no such column
     at_64 = lm_study.summarize([r | {"d": 64} for r in rows if r["d"] == 16], control)
     assert "published (PTB)" not in lm_study.costs_by_d(at_64, control)[0]
