@@ -274,7 +274,7 @@ def _sigmoid_tree_mix_jvp(primals, tangents):
     # it into two products, instead of differentiating the tree's slices and stacks. Written as
     # contractions over the component axis rather than sum(weights * z_dot, axis=0): under
     # jax.vmap(jax.jacfwd) (bn.head_gradient_ratio), XLA's CPU backend read that product's
-    # tangents across their layout, 38x slower than autodiff of the naive composition
+    # tangents across their layout, 35x slower than autodiff of the naive composition
     # (benchmarks/jacobians.py); reverse mode runs as fast either way.
     # HIGHEST: exact float32 products on backends whose default dot precision is lower.
     (pre, z), (pre_dot, z_dot) = primals, tangents
