@@ -249,7 +249,8 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     def row(head, seed, ppl):
         return {"head": head, "d": 16, "seed": seed, "status": "done", "test_ppl": ppl,
                 "valid_ppl": ppl, "epochs": 5, "stop_reason": "early stopping",
-                "converged": True, "seconds_per_epoch": 1.0, "params": 10}  # fmt: skip
+                "converged": True, "seconds_per_epoch": 1.0, "train_seconds": 5.0,
+                "params": 10}  # fmt: skip
 
     softmax, mos = [100.0, 110.0, 120.0], [99.0, 108.0, 121.0]
     rows = [row("softmax", s, p) for s, p in zip((1, 2, 3), softmax, strict=True)]
