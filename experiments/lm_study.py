@@ -436,15 +436,15 @@ def _paired_gains(cells: list[dict[str, Any]], base: dict[int, dict[str, Any]]) 
     """The gain over softmax seed by seed, over the seeds where both finished (the heads of one
     seed share its data order and initial trunk): its mean in perplexity and in %, the spread
     of the per-seed gains in % (``None`` below two seeds) and how many seeds the head beats
-    softmax in (``base``: softmax's rows at the same d, by seed). Empty if no seed has both. A seed of the head alone counts in its mean
-    perplexity, not in its gain: compared with softmax's other seeds, the seeds' own spread
-    would pass for a head's gain."""
+    softmax in (``base``: softmax's rows at the same d, by seed). Empty if no seed has both.
+    A seed of the head alone counts in its mean perplexity, not in its gain: compared with
+    softmax's other seeds, the seeds' own spread would pass for a head's gain."""
     pairs = [(base[r["seed"]]["test_ppl"], r["test_ppl"]) for r in cells if r["seed"] in base]
     if not pairs:
         return {}
-    gains = [100.0 * (base - ppl) / base for base, ppl in pairs]
+    gains = [100.0 * (softmax - ppl) / softmax for softmax, ppl in pairs]
     return {
-        "gain_ppl": float(np.mean([base - ppl for base, ppl in pairs])),
+        "gain_ppl": float(np.mean([softmax - ppl for softmax, ppl in pairs])),
         "gain_pct": float(np.mean(gains)),
         "gain_pct_std": float(np.std(gains, ddof=1)) if len(gains) > 1 else None,
         "better_seeds": sum(g > 0 for g in gains),
@@ -479,6 +479,11 @@ def title(config: Config, rows: list[dict[str, Any]]) -> str:
         f"LM study: {trunk.model.family} on {trunk.data.corpus} "
         f"({trunk.data.vocab_size or 'all'} words), heads x d x seeds {list(config.seeds)}{partial}"
     )
+
+
+def trained_seconds(rows: list[dict[str, Any]]) -> float:
+    """The finished cells' training seconds in all (their epochs', not evaluation's)."""
+    return sum(r["train_seconds"] for r in rows if r["status"] == "done")
 
 
 def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Config) -> str:
@@ -531,7 +536,7 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         ]
     done = [r for r in rows if r["status"] == "done"]
     if done:
-        hours = sum(r["train_seconds"] for r in done) / 3600
+        hours = trained_seconds(rows) / 3600
         lines += [
             "",
             f"Compute: the {len(done)} finished cells trained for {hours:.1f} hours in all (the "
@@ -866,7 +871,7 @@ def run_study(config: Config) -> dict[str, Any]:
         "cells": rows,
         "summary": table,
         "ranks": ranks,
-        "train_seconds_total": sum(r.get("train_seconds", 0.0) for r in rows),
+        "train_seconds_total": trained_seconds(rows),
         "seconds_this_invocation": time.perf_counter() - start,
     }
     run.write_json("study.json", study)
