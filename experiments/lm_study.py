@@ -434,8 +434,8 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
 
 def _paired_gains(cells: list[dict[str, Any]], base: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The gain over softmax seed by seed, over the seeds where both finished (the heads of one
-    seed share its data order and initial trunk): its mean in perplexity and in %, the spread
-    of the per-seed gains in % (``None`` below two seeds) and how many seeds the head beats
+    seed share its data order and initial trunk): its mean in perplexity and in %, the per-seed
+    gains in %, their spread (``None`` below two seeds) and how many seeds the head beats
     softmax in (``base``: softmax's rows at the same d, by seed). Empty if no seed has both.
     A seed of the head alone counts in its mean perplexity, not in its gain: compared with
     softmax's other seeds, the seeds' own spread would pass for a head's gain."""
@@ -446,6 +446,7 @@ def _paired_gains(cells: list[dict[str, Any]], base: dict[int, dict[str, Any]]) 
     return {
         "gain_ppl": float(np.mean([softmax - ppl for softmax, ppl in pairs])),
         "gain_pct": float(np.mean(gains)),
+        "seed_gains_pct": [float(g) for g in gains],
         "gain_pct_std": float(np.std(gains, ddof=1)) if len(gains) > 1 else None,
         "better_seeds": sum(g > 0 for g in gains),
         "paired_seeds": len(gains),
@@ -720,19 +721,23 @@ def _gain_pct_text(e: dict[str, Any]) -> str:
 
 def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
     """Test perplexity against d (left) and each head's gain over softmax at the same d (right),
-    a line per head, error bars the std over seeds (of the per-seed gains on the right)."""
+    a line per head, error bars the std over seeds (of the per-seed gains on the right, where
+    each seed's gain is a small dot). The heads sit slightly apart along d so that their error
+    bars do not hide one another."""
     fig, (ax, gain_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {head: f"C{i}" for i, head in enumerate(config.heads)}
-    for head in config.heads:
+    for i, head in enumerate(config.heads):
         entries = [e for e in table if e["head"] == head]
         gains = [e for e in entries if "gain_pct" in e]
+        # On the log2 axis a multiplicative nudge: the heads spread over about +-6% of d.
+        nudge = 2.0 ** (0.16 * (i / max(len(config.heads) - 1, 1) - 0.5))
         for axis, rows, value, spread in (
             (ax, entries, "test_ppl", "test_std"),
             (gain_ax, gains, "gain_pct", "gain_pct_std"),
         ):
             if rows:
                 axis.errorbar(
-                    [e["d"] for e in rows],
+                    [e["d"] * nudge for e in rows],
                     [e[value] for e in rows],
                     yerr=[e[spread] or 0.0 for e in rows],
                     marker="o",
@@ -740,11 +745,22 @@ def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
                     color=colors[head],
                     label=head,
                 )
+        for e in gains:
+            gain_ax.plot(
+                [e["d"] * nudge * 1.02] * len(e["seed_gains_pct"]),  # just right of the bar
+                e["seed_gains_pct"],
+                ls="none",
+                marker="o",
+                ms=3.5,
+                mfc="none",
+                alpha=0.8,
+                color=colors[head],
+            )
     gain_ax.axhline(0.0, color="0.3", lw=1, ls="--", label="softmax")
     ax.set_ylabel("test perplexity (mean ± std over seeds)")
     ax.set_title(f"{config.trunk.data.corpus}: perplexity against the bottleneck width")
-    gain_ax.set_ylabel("gain over softmax at the same d (%; ± std over seeds)")
-    gain_ax.set_title("better than softmax above the line")
+    gain_ax.set_ylabel("gain over softmax at the same d (%)")
+    gain_ax.set_title("better than softmax above the line (bars: ± std; circles: seeds)")
     for axis in (ax, gain_ax):
         axis.set_xscale("log", base=2)
         axis.set_xticks(list(config.ds), [str(d) for d in config.ds])

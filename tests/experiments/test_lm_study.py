@@ -262,6 +262,7 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     np.testing.assert_allclose(entry["gain_pct_std"], np.std(per_seed, ddof=1), rtol=1e-12)
     assert (entry["better_seeds"], entry["paired_seeds"]) == (2, 3)
     np.testing.assert_allclose(entry["gain_pct"], np.mean(per_seed), rtol=1e-12)
+    np.testing.assert_allclose(entry["seed_gains_pct"], per_seed, rtol=1e-12)
     np.testing.assert_allclose(entry["gain_ppl"], np.mean(softmax) - np.mean(mos), rtol=1e-12)
     np.testing.assert_allclose(entry["test_ppl"], np.mean(mos + [105.0]), rtol=1e-12)
     rows.append(row("plif", 4, 90.0))  # its one seed has no softmax cell: no gain at all
