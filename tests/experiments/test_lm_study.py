@@ -174,6 +174,28 @@ def test_the_committed_grid_rows_are_recognised_by_their_config_sha(tmp_path):
     assert lm_study.config_sha(lm_study.cell_config(config, head, d, seed)) != sha
 
 
+@pytest.mark.parametrize(
+    "preset, name", [("default", "ptb-transformer"), ("control", "ptb-transformer-control")]
+)
+def test_committed_reports_are_what_the_code_writes_from_their_rows(preset, name, tmp_path):
+    """docs/results/NAME.md is `--report_only` on NAME.csv: a row that lands (the grid commits
+    them one by one) or a change of the report's code leaves it stale until it is rewritten.
+    Only the line saying who wrote it (the commit, the machine, the date) may differ."""
+    results = ROOT / "docs" / "results"
+    lm_study.main(
+        ["--preset", preset, "--results_csv", str(results / f"{name}.csv"), "--report_only",
+         "--out_dir", str(tmp_path)]
+    )  # fmt: skip
+
+    def body(page: Path) -> list[str]:
+        return [line for line in page.read_text().splitlines() if not line.startswith("Written by")]
+
+    assert body(tmp_path / "study.md") == body(results / f"{name}.md"), (
+        f"docs/results/{name}.md is stale: rerun `python experiments/lm_study.py --preset {preset}"
+        f" --results_csv docs/results/{name}.csv --report_only --out_dir DIR` and copy its study.md"
+    )
+
+
 def test_converged_is_early_stopping_or_a_flat_last_three_epochs():
     assert lm_study.converged("early stopping (no improvement for 1 epochs)", [10.0, 11.0])
     assert lm_study.converged("epoch budget (5)", [200.0, 100.0, 99.8, 99.7, 99.6])
