@@ -462,6 +462,14 @@ def merged(rows: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, An
     return [*rows[:i], row, *rows[i + 1 :]]
 
 
+def page_body(rows: list[dict[str, Any]], merge: bool) -> str:
+    """The results page under its header: the rows' table, then the NLL by training count
+    (``merge``: first the note that the rows were gathered call by call)."""
+    table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")
+    table = f"{table}\n\n{count_table(rows)}"
+    return f"{MERGED_NOTE}\n\n{table}" if merge else table
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = parse_config(Config, argv=argv)
     out = Path(config.out or Path(config.run_dirs[0]) / "consequences.json")
@@ -476,17 +484,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             rows = merged(rows, row)
             # Both files after each run (minutes each): an interrupted call keeps the rows it
             # measured, and the table always shows the JSON's rows, no more.
-            table = markdown_table(rows, TABLE_COLUMNS, floatfmt=".3g")
-            table = f"{table}\n\n{count_table(rows)}"
             out.write_text(json.dumps(rows, indent=1) + "\n")
-            body = f"{MERGED_NOTE}\n\n{table}" if config.merge else table
-            out.with_suffix(".md").write_text(results_page(PAGE_TITLE, body))
+            out.with_suffix(".md").write_text(
+                results_page(PAGE_TITLE, page_body(rows, config.merge))
+            )
             gaps = count_gaps(rows)
             if gaps:
                 plot_count_gaps(gaps, out.with_suffix(".png"))
             else:  # an earlier call's plot of other rows would not be these rows'
                 out.with_suffix(".png").unlink(missing_ok=True)
-    print(table)
+    print(page_body(rows, merge=False))
     plot = f", {out.with_suffix('.png').name}" if gaps else ""
     print(f"wrote {out}{plot} and {out.with_suffix('.md').name}")
     return rows

@@ -308,3 +308,16 @@ def test_merge_refuses_a_file_that_is_not_its_rows(runs, tmp_path, capsys):
         assert exit_info.value.code == 2
         assert capsys.readouterr().err.startswith(f"consequences.py: error: --merge: {out} is not")
         assert out.read_text() == text
+
+
+def test_the_committed_page_is_its_json_s_rows():
+    """docs/results/consequences-ptb-transformer.md shows the JSON's rows as the code renders
+    them (the grid's hook writes both with the code it was pinned at; a stale page fails)."""
+    results = ROOT / "docs" / "results"
+    rows = json.loads((results / "consequences-ptb-transformer.json").read_text())
+    page = (results / "consequences-ptb-transformer.md").read_text().split("\n\n", 2)
+    assert page[0] == f"# {consequences.PAGE_TITLE}" and page[1].startswith("Written by ")
+    assert page[2] == consequences.page_body(rows, merge=True).strip() + "\n", (
+        "rerun `python experiments/consequences.py --merge --fill_missing --out "
+        "docs/results/consequences-ptb-transformer.json --run_dirs RUN` to rewrite the page"
+    )
