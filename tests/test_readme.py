@@ -156,6 +156,14 @@ def test_guide_says_every_cell_converged_only_while_every_row_has():
     assert converged and ("Every cell is converged" in text) == all(converged)
 
 
+def test_readme_and_guide_call_the_study_partial_while_its_report_does():
+    """The report's title ends in "partial" while cells are pending; the README's and the
+    language-model guide's status must follow it (and the README then gives the converged table)."""
+    partial = (RESULTS / "ptb-transformer.md").read_text().splitlines()[0].endswith("— partial")
+    for page in (README, ROOT / "docs" / "guides" / "language_models.md"):
+        assert ("**Status: partial.**" in page.read_text()) == partial, page.name
+
+
 def test_readme_negative_control_is_the_committed_rows():
     """The README's control sentence against docs/results/ptb-transformer-control.csv."""
     test_ppl: dict[str, list[float]] = {}
