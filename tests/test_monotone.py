@@ -141,6 +141,11 @@ def test_plif_bfloat16_inputs_compute_in_float32():
     got = bn.plif(x, raw)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, np_plif(x.astype(jnp.float32), raw, 20.0), rtol=1e-5, atol=1e-4)
+    # The slopes' gradient too: its histograms sum in float32, not in the inputs' bfloat16.
+    grad = jax.jit(jax.grad(lambda r, x: jnp.sum(bn.plif(x, r) ** 2)))
+    got, want = grad(raw, x), grad(raw, x.astype(jnp.float32))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(want))))
 
 
 @pytest.mark.parametrize(
