@@ -75,7 +75,8 @@ def medians(times: Mapping[str, Sequence[float]]) -> dict[str, float]:
 
 
 def machine_info() -> dict[str, Any]:
-    """Where the numbers come from: OS/CPU, core count, Python, JAX version and backend."""
+    """Where the numbers come from: OS/CPU, core count, Python, JAX version, backend and the
+    devices' kind (e.g. ``NVIDIA H200``)."""
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -84,6 +85,7 @@ def machine_info() -> dict[str, Any]:
         "jax_version": jax.__version__,
         "backend": jax.default_backend(),
         "devices": [str(device) for device in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
     }
 
 

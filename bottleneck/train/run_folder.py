@@ -205,7 +205,8 @@ def code_commit() -> str:
 
 
 def machine_description() -> str:
-    """The machine in a few words: CPU model, cores, OS, JAX version and backend."""
+    """The machine in a few words: CPU model, cores, OS, JAX version and backend (with the
+    accelerator's name, e.g. ``gpu (NVIDIA H200)``, where it is not the CPU)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -213,10 +214,10 @@ def machine_description() -> str:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    return (
-        f"{cpu}, {os.cpu_count()} cores, {platform.system()}; "
-        f"JAX {jax.__version__} on {jax.default_backend()}"
-    )
+    backend = jax.default_backend()
+    if backend != "cpu":
+        backend += f" ({jax.devices()[0].device_kind})"
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}; JAX {jax.__version__} on {backend}"
 
 
 def results_page(
