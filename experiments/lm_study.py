@@ -722,8 +722,8 @@ def _gain_pct_text(e: dict[str, Any]) -> str:
 def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
     """Test perplexity against d (left) and each head's gain over softmax at the same d (right),
     a line per head, error bars the std over seeds (of the per-seed gains on the right, where
-    each seed's gain is a small dot). The heads sit slightly apart along d so that their error
-    bars do not hide one another."""
+    each seed's gain is a hollow circle beside its bar). The heads sit slightly apart along d
+    so that their error bars do not hide one another."""
     fig, (ax, gain_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {head: f"C{i}" for i, head in enumerate(config.heads)}
     for i, head in enumerate(config.heads):
