@@ -86,20 +86,18 @@ def _plif_bwd(bound, residuals, g):
     grad_x = g * jnp.take(slopes, index, mode="clip")
     # df/ds_j = delta for every segment j below x's segment, (x - t_i) for x's own segment i.
     # So the slope gradient is delta * (gradient mass strictly above j) + the within-segment
-    # part: two float32 histograms (mass, mass * offset) and one reverse cumulative sum. Two
+    # part: two real histograms (mass, mass * offset) and one reverse cumulative sum. Two
     # real scatter-adds, not one complex one: a GPU has no atomic add as wide as a complex64,
     # and the compare-and-swap loop XLA emits instead collapses when most logits fall in a few
     # segments (with the complex scatter, the study's PLIF step took 2.3-3.4 s on an H200,
     # softmax's 3 ms); on XLA:CPU the two are as fast as the one and give the same sums.
-    acc = g.astype(jnp.float32) if jnp.finfo(g.dtype).bits < 32 else g
-    index, offset = index.ravel(), offset.astype(acc.dtype).ravel()
-    mass = jnp.zeros((num_knots,), acc.dtype).at[index].add(acc.ravel())
-    mass_offset = jnp.zeros((num_knots,), acc.dtype).at[index].add(acc.ravel() * offset)
-    mass_above = jnp.concatenate(
-        [jax.lax.cumsum(mass, reverse=True)[1:], jnp.zeros((1,), acc.dtype)]
-    )
+    # (plif() casts x and the slopes to one dtype of at least float32, so g has it too.)
+    index = index.ravel()
+    mass = jnp.zeros((num_knots,), g.dtype).at[index].add(g.ravel())
+    mass_offset = jnp.zeros((num_knots,), g.dtype).at[index].add((g * offset).ravel())
+    mass_above = jnp.concatenate([jax.lax.cumsum(mass, reverse=True)[1:], jnp.zeros((1,), g.dtype)])
     grad_slopes = delta * mass_above + mass_offset
-    grad_raw = (grad_slopes * jax.nn.sigmoid(raw_slopes)).astype(raw_slopes.dtype)
+    grad_raw = grad_slopes * jax.nn.sigmoid(raw_slopes)
     # Inside shard_map with the logits split, each shard saw its own logits: the slopes'
     # gradient is the sum of the shards' (a no-op elsewhere).
     return grad_x, reduce_like(grad_raw, raw_slopes)
