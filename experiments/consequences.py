@@ -41,7 +41,9 @@ commit. With ``--merge`` the file gathers a
 grid's rows call by call (``experiments/lm_study_grid.sh`` measures each cell as it lands): the
 rows it holds for other run folders are kept, and a run measured again replaces its row;
 ``--fill_missing`` adds to a run's row only the measurements it lacks (those added to this
-script since it was measured), recording their commit in the row's ``filled``.
+script since it was measured), recording their commit in the row's ``filled``;
+``--merge_from`` adds the rows of other calls' ``--out`` files as they are (runs measured on
+another machine, say a GPU's, whose weights stay there).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ MERGED_NOTE = (
 class Config(Checked):
     """Unargmaxable tokens and the hidden-size estimate of trained runs."""
 
-    run_dirs: tuple[str, ...]  # language_model.py run folders
+    run_dirs: tuple[str, ...] = ()  # language_model.py run folders
     tokens: Count = 2048  # validation positions (whole windows) for the estimates
     #: training positions (the training stream's first whole windows) for the training NLL
     train_tokens: Count = 200_000
@@ -103,11 +105,16 @@ class Config(Checked):
     #: with --merge, a run that has a row measures only what its row lacks (a measurement added
     #: since), kept beside the row's other fields
     fill_missing: bool = False
+    #: with --merge, other calls' --out files whose rows join --out's as they are (before
+    #: --run_dirs are measured), replacing the rows of the same run folders
+    merge_from: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.run_dirs:
-            raise ValueError("--run_dirs must name at least one run folder")
+        if not self.run_dirs and not self.merge_from:
+            raise ValueError("--run_dirs must name at least one run folder (or --merge_from)")
+        if self.merge_from and not (self.merge and self.out):
+            raise ValueError("--merge_from adds rows to --out's: it needs --merge and --out")
         if self.fill_missing and not self.merge:
             raise ValueError("--fill_missing adds to --out's rows: it needs --merge")
 
@@ -440,9 +447,12 @@ def plot_count_gaps(gaps: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def earlier_rows(out: Path) -> list[dict[str, Any]]:
-    """The rows ``out`` holds from earlier calls (none if it does not exist yet)."""
+def earlier_rows(out: Path, must_exist: bool = False) -> list[dict[str, Any]]:
+    """The rows ``out`` holds from earlier calls (none if it does not exist yet, unless
+    ``must_exist``)."""
     if not out.exists():
+        if must_exist:
+            raise UsageError(f"--merge_from: {out} does not exist")
         return []
     try:
         rows = json.loads(out.read_text())
@@ -462,6 +472,18 @@ def merged(rows: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, An
     return [*rows[:i], row, *rows[i + 1 :]]
 
 
+def write_rows(rows: list[dict[str, Any]], out: Path, merge: bool) -> None:
+    """``rows`` to ``out`` (JSON), its page (``.md``) and its plot (``.png``, removed where no
+    head is paired with softmax: an earlier call's plot would not be these rows')."""
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    out.with_suffix(".md").write_text(results_page(PAGE_TITLE, page_body(rows, merge)))
+    gaps = count_gaps(rows)
+    if gaps:
+        plot_count_gaps(gaps, out.with_suffix(".png"))
+    else:
+        out.with_suffix(".png").unlink(missing_ok=True)
+
+
 def page_body(rows: list[dict[str, Any]], merge: bool) -> str:
     """The results page under its header: the rows' table, then the NLL by training count
     (``merge``: first the note that the rows were gathered call by call)."""
@@ -475,6 +497,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     out = Path(config.out or Path(config.run_dirs[0]) / "consequences.json")
     with one_line_errors(config):
         rows = earlier_rows(out) if config.merge else []
+        for path in config.merge_from:
+            for row in earlier_rows(Path(path), must_exist=True):
+                rows = merged(rows, row)
+        if config.merge_from:
+            write_rows(rows, out, config.merge)
         for run_dir in progress(config.run_dirs, desc="runs"):
             earlier = {row["run"]: row for row in rows}.get(Path(run_dir).name)
             if config.fill_missing and earlier is not None:
@@ -484,17 +511,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             rows = merged(rows, row)
             # Both files after each run (minutes each): an interrupted call keeps the rows it
             # measured, and the table always shows the JSON's rows, no more.
-            out.write_text(json.dumps(rows, indent=1) + "\n")
-            out.with_suffix(".md").write_text(
-                results_page(PAGE_TITLE, page_body(rows, config.merge))
-            )
-            gaps = count_gaps(rows)
-            if gaps:
-                plot_count_gaps(gaps, out.with_suffix(".png"))
-            else:  # an earlier call's plot of other rows would not be these rows'
-                out.with_suffix(".png").unlink(missing_ok=True)
+            write_rows(rows, out, config.merge)
     print(page_body(rows, merge=False))
-    plot = f", {out.with_suffix('.png').name}" if gaps else ""
+    plot = f", {out.with_suffix('.png').name}" if count_gaps(rows) else ""
     print(f"wrote {out}{plot} and {out.with_suffix('.md').name}")
     return rows
 

@@ -240,7 +240,7 @@ def test_missing_run_dirs_is_a_usage_error(capsys):
         consequences.main([])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
-        "consequences.py: error: the following arguments are required: --run_dirs\n"
+        "consequences.py: error: --run_dirs must name at least one run folder (or --merge_from)\n"
     )
 
 
@@ -297,6 +297,34 @@ def test_fill_missing_measures_only_what_an_earlier_row_lacks(runs, tmp_path, ca
         consequences.main(["--run_dirs", str(runs["mos"]), "--fill_missing", "--out", str(out)])
     assert exit_info.value.code == 2
     assert "--fill_missing adds to --out's rows: it needs --merge" in capsys.readouterr().err
+
+
+def test_merge_from_adds_rows_measured_elsewhere_as_they_are(runs, tmp_path, capsys):
+    # Each run measured by its own call (as on another machine), then gathered into one file.
+    softmax, mos = (
+        consequences.main(["--run_dirs", str(runs[h]), "--tokens", "6", "--out", str(tmp_path / h)])
+        for h in ("softmax", "mos")
+    )
+    out = tmp_path / "all.json"
+    out.write_text(json.dumps([{**softmax[0], "unargmaxable": -1}, {**mos[0], "run": "other"}]))
+    from_files = ["--merge_from", str(tmp_path / "softmax"), str(tmp_path / "mos")]
+    rows = consequences.main(["--merge", "--out", str(out), *from_files])
+    assert rows == [softmax[0], {**mos[0], "run": "other"}, mos[0]]
+    assert json.loads(out.read_text()) == rows
+    page = out.with_suffix(".md").read_text().split("\n\n", 2)[2]
+    assert page == consequences.page_body(rows, merge=True).strip() + "\n"
+    assert out.with_suffix(".png").exists()  # mos is paired with softmax at the same d and seed
+    for args in ([*from_files, "--out", str(out)], ["--merge", *from_files]):
+        with pytest.raises(SystemExit) as exit_info:
+            consequences.main(args)
+        assert exit_info.value.code == 2
+        assert "--merge_from adds rows to --out's: it needs --merge and --out" in (
+            capsys.readouterr().err
+        )
+    with pytest.raises(SystemExit) as exit_info:
+        consequences.main(["--merge", "--out", str(out), "--merge_from", str(tmp_path / "no")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith(f"--merge_from: {tmp_path / 'no'} does not exist\n")
 
 
 def test_merge_refuses_a_file_that_is_not_its_rows(runs, tmp_path, capsys):
