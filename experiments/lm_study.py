@@ -85,7 +85,7 @@ from bottleneck.train import (
     parse_config,
 )
 from bottleneck.train.experiment import Checked, Count, one_line_errors
-from bottleneck.train.run_folder import check_resumable, code_commit, to_jsonable
+from bottleneck.train.run_folder import accelerator, check_resumable, code_commit, to_jsonable
 from bottleneck.train.run_loop import TrainingDiverged
 from experiments import language_model, rank
 from experiments.language_model import AWDLSTMConfig
@@ -285,7 +285,7 @@ CONVERGED_IMPROVEMENT = 0.005
 RESULT_COLUMNS = (
     "corpus", "model", "vocab_size", "head", "d", "seed", "valid_ppl", "test_ppl", "epochs",
     "best_epoch", "stop_reason", "converged", "seconds_per_epoch", "train_seconds", "params",
-    "valid_curve", "commit", "config_sha",
+    "valid_curve", "commit", "config_sha", "device",
 )  # fmt: skip
 
 
@@ -356,6 +356,7 @@ def cell_row(
         "valid_curve": " ".join(f"{v:.2f}" for v in valid),
         "commit": code_commit(),
         "config_sha": config_sha(cell),
+        "device": accelerator(),  # what the seconds were measured on
     }
 
 
@@ -374,6 +375,7 @@ def read_results_csv(path: Path) -> dict[tuple[str, int, int, str], dict[str, An
             row["vocab_size"] = int(row["vocab_size"]) if row["vocab_size"] else None
             row["converged"] = row["converged"] == "True"
             row["status"] = "done"
+            row.setdefault("device", "")  # a CSV of before the column: one unknown device
             rows[(row["head"], row["d"], row["seed"], row["config_sha"])] = row
     return rows
 
@@ -400,16 +402,26 @@ def curve_from_row(row: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def main_device(rows: list[dict[str, Any]]) -> str:
+    """The device most finished cells trained on: the one whose seconds the report compares."""
+    devices = [r["device"] for r in rows if r["status"] == "done"]
+    return max(devices, key=devices.count, default="")
+
+
 def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]]:
-    """Mean +- std over seeds per head x d, and the gain over softmax at the same d."""
+    """Mean +- std over seeds per head x d, and the gain over softmax at the same d; seconds
+    (s/epoch, the cost over softmax) only of the cells trained on :func:`main_device`."""
     done = [r for r in rows if r["status"] == "done"]
+    device = main_device(rows)
     table = []
     for d in config.ds:
         base = {r["seed"]: r for r in done if r["head"] == "softmax" and r["d"] == d}
+        timed_base = {s: r for s, r in base.items() if r["device"] == device}
         for head in config.heads:
             cells = [r for r in done if r["head"] == head and r["d"] == d]
             if not cells:
                 continue
+            timed = [r for r in cells if r["device"] == device]
             test = np.array([r["test_ppl"] for r in cells])
             valid = np.array([r["valid_ppl"] for r in cells])
             entry = {
@@ -422,12 +434,14 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
                 "epochs": float(np.mean([r["epochs"] for r in cells])),
                 "early_stopped": sum(r["stop_reason"].startswith("early") for r in cells),
                 "converged": sum(bool(r["converged"]) for r in cells),
-                "s_per_epoch": float(np.median([r["seconds_per_epoch"] for r in cells])),
+                "s_per_epoch": (
+                    float(np.median([r["seconds_per_epoch"] for r in timed])) if timed else None
+                ),
                 "params": cells[0]["params"],
             }
             if head != "softmax":
                 entry.update(_paired_gains(cells, base))
-                entry.update(_paired_cost(cells, base))
+                entry.update(_paired_cost(timed, timed_base))
             table.append(entry)
     return table
 
@@ -537,13 +551,7 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         ]
     done = [r for r in rows if r["status"] == "done"]
     if done:
-        hours = trained_seconds(rows) / 3600
-        lines += [
-            "",
-            f"Compute: the {len(done)} finished cells trained for {hours:.1f} hours in all (the "
-            "sum of their training seconds; evaluation, the consequences' measurements and "
-            "time lost to interruptions not counted).",
-        ]
+        lines += ["", _compute_text(done, main_device(rows))]
     pending = [r for r in rows if r["status"] == "pending"]
     if pending:
         lines += [
@@ -557,6 +565,34 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         lines += ["", "Failed cells (rerun the command to retry them):", ""]
         lines += [f"- {cell_name(r['head'], r['d'], r['seed'])}: {r['error']}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def _compute_text(done: list[dict[str, Any]], device: str) -> str:
+    """The finished cells' training hours, by device where some trained elsewhere than on
+    ``device`` (whose seconds alone the s/epoch column and the cost grid compare)."""
+    devices = sorted({r["device"] for r in done}, key=lambda dev: dev != device)
+    by_device = {dev: [r for r in done if r["device"] == dev] for dev in devices}
+    hours = {dev: trained_seconds(cells) / 3600 for dev, cells in by_device.items()}
+    not_counted = (
+        "the sum of their training seconds; evaluation, the consequences' measurements and "
+        "time lost to interruptions not counted"
+    )
+    if len(devices) == 1:
+        return (
+            f"Compute: the {len(done)} finished cells trained for {hours[device]:.1f} hours in "
+            f"all ({not_counted})."
+        )
+    spent = " and ".join(
+        f"{hours[dev]:.1f} hours on {dev or 'an unrecorded device'} ({len(by_device[dev])} cells)"
+        for dev in devices
+    )
+    others = [r for r in done if r["device"] != device]
+    return (
+        f"Compute: the {len(done)} finished cells trained for {spent} ({not_counted}). The "
+        f"s/epoch column and the cost grid compare only the cells trained on {device}: "
+        + ", ".join(cell_name(r["head"], r["d"], r["seed"]) for r in others)
+        + " count in perplexity alone."
+    )
 
 
 def gains_by_d(table: list[dict[str, Any]], config: Config, decimals: int) -> list[dict[str, str]]:
@@ -698,7 +734,7 @@ def _table_row(e: dict[str, Any], decimals: int) -> dict[str, Any]:
         "epochs": round(e["epochs"], 1),
         "stopped early": f"{e['early_stopped']}/{e['seeds']}",
         "converged": f"{e['converged']}/{e['seeds']}",
-        "s/epoch": round(e["s_per_epoch"]),
+        "s/epoch": "—" if e["s_per_epoch"] is None else round(e["s_per_epoch"]),
         "params": f"{e['params']:,}",
     }
 

@@ -214,10 +214,17 @@ def machine_description() -> str:
         cpu = names[0] if names else cpu
     except OSError:
         pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {platform.system()}; JAX {jax.__version__} on "
+        f"{accelerator()}"
+    )
+
+
+def accelerator() -> str:
+    """JAX's backend, with the accelerator's name where it is not the CPU: ``"cpu"``, ``"gpu
+    (NVIDIA H200)"``."""
     backend = jax.default_backend()
-    if backend != "cpu":
-        backend += f" ({jax.devices()[0].device_kind})"
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}; JAX {jax.__version__} on {backend}"
+    return backend if backend == "cpu" else f"{backend} ({jax.devices()[0].device_kind})"
 
 
 def results_page(

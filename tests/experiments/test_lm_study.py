@@ -272,7 +272,7 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
         return {"head": head, "d": 16, "seed": seed, "status": "done", "test_ppl": ppl,
                 "valid_ppl": ppl, "epochs": 5, "stop_reason": "early stopping",
                 "converged": True, "seconds_per_epoch": 1.0, "train_seconds": 5.0,
-                "params": 10}  # fmt: skip
+                "params": 10, "device": "cpu"}  # fmt: skip
 
     softmax, mos = [100.0, 110.0, 120.0], [99.0, 108.0, 121.0]
     rows = [row("softmax", s, p) for s, p in zip((1, 2, 3), softmax, strict=True)]
@@ -326,7 +326,7 @@ def test_cost_is_the_ratio_to_softmax_seed_by_seed():
         return {"head": head, "d": d, "seed": seed, "status": "done", "test_ppl": 100.0,
                 "valid_ppl": 100.0, "epochs": 5, "stop_reason": "early stopping",
                 "converged": True, "seconds_per_epoch": seconds, "train_seconds": 5 * seconds,
-                "params": 10}  # fmt: skip
+                "params": 10, "device": "cpu"}  # fmt: skip
 
     softmax, mos = [60.0, 60.0, 120.0], [150.0, 180.0, 240.0]  # seed 3: a machine 2x slower
     rows = [row("softmax", s, t) for s, t in zip((1, 2, 3), softmax, strict=True)]
@@ -349,6 +349,27 @@ def test_cost_is_the_ratio_to_softmax_seed_by_seed():
     control = lm_study.PRESETS["control"]  # 64 words: not the papers' setting, no such column
     at_64 = lm_study.summarize([r | {"d": 64} for r in rows if r["d"] == 16], control)
     assert "published (PTB)" not in lm_study.costs_by_d(at_64, control)[0]
+    # Seed 3's mos and plif trained on a GPU: out of the seconds (a ratio to the CPU's softmax
+    # would read as mos being 50x faster), in the perplexities and the compute, by device.
+    gpu = {"device": "gpu (NVIDIA H200)", "seconds_per_epoch": 5.0, "train_seconds": 25.0}
+    rows = [r | gpu if (r["seed"], r["head"]) == (3, "mos") else r for r in rows]
+    rows.append(row("plif", 3, 5.0) | gpu | {"test_ppl": 90.0})
+    table = lm_study.summarize(rows, config)
+    plif, mos = [e for e in table if e["d"] == 16 and e["head"] in ("mos", "plif")]  # config order
+    assert (mos["time_ratio"], mos["time_ratio_min"], mos["time_ratio_max"]) == (2.75, 2.5, 3.0)
+    assert (mos["s_per_epoch"], plif["s_per_epoch"]) == (165.0, 80.0)  # seeds 1 and 2; 1 and 4
+    assert plif["test_ppl"] == np.mean([100.0, 100.0, 90.0]) and plif["time_ratio"] == 70 / 60
+    text = " ".join(lm_study.markdown(table, rows, config).split())
+    # 5 epochs of 60+60+120+150+180+70+90+50 s on the CPU, 5 of 5+5 s on the GPU
+    assert (
+        "the 10 finished cells trained for 1.1 hours on cpu (8 cells) and 0.0 hours on gpu "
+        "(NVIDIA H200) (2 cells)" in text
+    )
+    assert "compare only the cells trained on cpu: mos-d16-s3, plif-d16-s3 count" in text
+    # A head and d whose cells all trained on the GPU has no seconds: a dash, not a number.
+    rows = [r | gpu if r["d"] == 32 else r for r in rows]
+    (mos_32,) = [e for e in lm_study.summarize(rows, config) if e["d"] == 32]
+    assert mos_32["s_per_epoch"] is None and lm_study._table_row(mos_32, 1)["s/epoch"] == "—"
 
 
 def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke, tmp_path):
