@@ -583,7 +583,7 @@ def _compute_text(done: list[dict[str, Any]], device: str) -> str:
             f"all ({not_counted})."
         )
     spent = " and ".join(
-        f"{hours[dev]:.1f} hours on {dev or 'an unrecorded device'} ({len(by_device[dev])} cells)"
+        f"{hours[dev]:.1f} hours on {dev or 'an unrecorded device'} for {len(by_device[dev])} cells"
         for dev in devices
     )
     others = [r for r in done if r["device"] != device]

@@ -164,6 +164,20 @@ def test_readme_and_guide_call_the_study_partial_while_its_report_does():
         assert ("**Status: partial.**" in page.read_text()) == partial, page.name
 
 
+def test_readme_converged_table_is_the_report_s():
+    """Once the grid is complete the README's language-model table is its report's head x d
+    grid (softmax's test perplexity, each head's gain over it, the published gains) as written."""
+    report = (RESULTS / "ptb-transformer.md").read_text()
+    lines = README.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("| softmax (test ppl) ")]
+    partial = report.splitlines()[0].endswith("— partial")
+    assert len(starts) == (0 if partial else 1)
+    if starts:
+        table = lines[starts[0] - 2 : starts[0] + 5]
+        assert table[0].startswith("| head ") and "published (PTB)" in table[0]
+        assert "\n".join(table) + "\n" in report, "README's table is not the report's"
+
+
 def test_readme_negative_control_is_the_committed_rows():
     """The README's control sentence against docs/results/ptb-transformer-control.csv."""
     test_ppl: dict[str, list[float]] = {}

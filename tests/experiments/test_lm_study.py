@@ -362,8 +362,8 @@ def test_cost_is_the_ratio_to_softmax_seed_by_seed():
     text = " ".join(lm_study.markdown(table, rows, config).split())
     # 5 epochs of 60+60+120+150+180+70+90+50 s on the CPU, 5 of 5+5 s on the GPU
     assert (
-        "the 10 finished cells trained for 1.1 hours on cpu (8 cells) and 0.0 hours on gpu "
-        "(NVIDIA H200) (2 cells)" in text
+        "the 10 finished cells trained for 1.1 hours on cpu for 8 cells and 0.0 hours on gpu "
+        "(NVIDIA H200) for 2 cells (the sum" in text
     )
     assert "compare only the cells trained on cpu: mos-d16-s3, plif-d16-s3 count" in text
     # A head and d whose cells all trained on the GPU has no seconds: a dash, not a number.
