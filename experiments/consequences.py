@@ -447,19 +447,21 @@ def plot_count_gaps(gaps: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def earlier_rows(out: Path, must_exist: bool = False) -> list[dict[str, Any]]:
+def earlier_rows(
+    out: Path, flag: str = "--merge", must_exist: bool = False
+) -> list[dict[str, Any]]:
     """The rows ``out`` holds from earlier calls (none if it does not exist yet, unless
-    ``must_exist``)."""
+    ``must_exist``); a file that is not such rows is a usage error naming ``flag``."""
     if not out.exists():
         if must_exist:
-            raise UsageError(f"--merge_from: {out} does not exist")
+            raise UsageError(f"{flag}: {out} does not exist")
         return []
     try:
         rows = json.loads(out.read_text())
     except json.JSONDecodeError as error:
-        raise UsageError(f"--merge: {out} is not JSON ({error})") from None
+        raise UsageError(f"{flag}: {out} is not JSON ({error})") from None
     if not (isinstance(rows, list) and all(isinstance(r, dict) and "run" in r for r in rows)):
-        raise UsageError(f"--merge: {out} is not a list of this script's rows (each with 'run')")
+        raise UsageError(f"{flag}: {out} is not a list of this script's rows (each with 'run')")
     return rows
 
 
@@ -498,7 +500,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with one_line_errors(config):
         rows = earlier_rows(out) if config.merge else []
         for path in config.merge_from:
-            for row in earlier_rows(Path(path), must_exist=True):
+            for row in earlier_rows(Path(path), "--merge_from", must_exist=True):
                 rows = merged(rows, row)
         if config.merge_from:
             write_rows(rows, out, config.merge)

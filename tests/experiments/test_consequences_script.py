@@ -325,6 +325,13 @@ def test_merge_from_adds_rows_measured_elsewhere_as_they_are(runs, tmp_path, cap
         consequences.main(["--merge", "--out", str(out), "--merge_from", str(tmp_path / "no")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.endswith(f"--merge_from: {tmp_path / 'no'} does not exist\n")
+    (tmp_path / "bad.json").write_text("not json")  # the error names the flag that read it
+    with pytest.raises(SystemExit) as exit_info:
+        consequences.main(
+            ["--merge", "--out", str(out), "--merge_from", str(tmp_path / "bad.json")]
+        )
+    assert exit_info.value.code == 2
+    assert f"error: --merge_from: {tmp_path / 'bad.json'} is not JSON" in capsys.readouterr().err
 
 
 def test_merge_refuses_a_file_that_is_not_its_rows(runs, tmp_path, capsys):
