@@ -194,14 +194,84 @@ def target_log_probs(
     index = jnp.clip(local_labels, 0, local_size - 1)[..., None]
     picked = jnp.take_along_axis(scores, index, axis=-1)[..., 0]
     picked = jnp.where(in_shard, picked, jnp.zeros((), scores.dtype))
-    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1))
+    if vocab_axis is not None:
+        picked = jax.lax.psum(picked, vocab_axis)
+    return nan_unless(valid, picked - log_partition(scores, vocab_axis=vocab_axis))
+
+
+def log_partition(
+    *log_scores: jax.Array, vocab_axis: str | None = None, reverse_only: bool = False
+) -> jax.Array:
+    r"""``log Z``: the log-sum-exp over the vocabulary of one or more blocks of log-scores.
+
+    .. math:: \log Z = \log \sum_b \sum_{m} \exp s^{(b)}_m
+
+    The blocks ``[..., M_b]`` (same leading shape) together hold the vocabulary's columns, in
+    any order: a head whose columns are computed in parts (Mixtape's frequent tokens and its
+    shared-gate tokens) normalizes over them without concatenating them into ``[..., M]``.
+    Entries at ``-inf`` (padding columns) count for nothing; a block of zero columns is
+    skipped. Inside ``shard_map`` with the vocabulary split over ``vocab_axis``, the row
+    maximum is combined with ``pmax`` and the sum of exponentials with ``psum``.
+
+    Args:
+      *log_scores: one or more ``[..., M_b]`` floating arrays of log-scores ``log g(z)``.
+      vocab_axis: mesh axis the vocabulary is split over, or ``None``.
+      reverse_only: differentiate through a hand-written VJP that writes the gradient
+        ``exp(s - log Z)`` once, recomputed from the scores (the forward pass writes no
+        ``[..., M]`` array), instead of plain autodiff, which keeps the exponentials as a
+        residual beside it; forward mode (``jax.jvp``) cannot go through it. The chunked
+        head losses set it.
+
+    Returns:
+      ``[...]`` log-partition, dtype at least float32.
+
+    Example:
+      >>> import jax.numpy as jnp, bottleneck as bn
+      >>> round(float(bn.losses.log_partition(jnp.zeros(3), jnp.zeros(1))), 4)  # log 4
+      1.3863
+    """
+    if not log_scores:
+        raise ValueError("log_partition needs at least one block of log-scores")
+    for block in log_scores:
+        require_float("log_scores", block)
+        require_ndim("log_scores", block, 1, "[..., vocab]")
+    blocks = tuple(as_compute(block) for block in log_scores if block.shape[-1])
+    if not blocks:
+        raise ValueError("log_partition needs at least one vocabulary column; every block is empty")
+    if reverse_only:
+        return _log_partition(vocab_axis, *blocks)
+    return _log_partition_value(vocab_axis, *blocks)
+
+
+def _log_partition_value(vocab_axis: str | None, *blocks: jax.Array) -> jax.Array:
+    # The maximum only shifts the exponentials; the result does not depend on it.
+    row_max = functools.reduce(jnp.maximum, [jnp.max(block, axis=-1) for block in blocks])
     if vocab_axis is not None:
         row_max = jax.lax.pmax(row_max, vocab_axis)
-    sum_exp = jnp.sum(jnp.exp(scores - row_max[..., None]), axis=-1)
+    sum_exp = sum(jnp.sum(jnp.exp(block - row_max[..., None]), axis=-1) for block in blocks)
     if vocab_axis is not None:
         sum_exp = jax.lax.psum(sum_exp, vocab_axis)
-        picked = jax.lax.psum(picked, vocab_axis)
-    return nan_unless(valid, picked - row_max - jnp.log(sum_exp))
+    return row_max + jnp.log(sum_exp)
+
+
+_log_partition = jax.custom_vjp(_log_partition_value, nondiff_argnums=(0,))
+
+
+def _log_partition_fwd(vocab_axis, *blocks):
+    log_z = _log_partition(vocab_axis, *blocks)
+    return log_z, (blocks, log_z)
+
+
+def _log_partition_bwd(vocab_axis, residuals, cotangent):
+    # d log Z / d s_m = exp(s_m - log Z), recomputed from the scores rather than saved.
+    blocks, log_z = residuals
+    return tuple(
+        reduce_like(cotangent[..., None] * jnp.exp(block - log_z[..., None]), block)
+        for block in blocks
+    )
+
+
+_log_partition.defvjp(_log_partition_fwd, _log_partition_bwd)
 
 
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
@@ -234,7 +304,7 @@ def measure_buffers_per_element(
     *,
     elements_per_token: int,
     token_constants: Any = None,
-    probe_tokens: int = 16,
+    probe_tokens: int = 64,
 ) -> float:
     """Float32 buffers of ``[C, elements_per_token]`` one chunk of ``token_log_probs`` keeps live.
 

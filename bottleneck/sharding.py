@@ -191,6 +191,12 @@ class VocabShard:
         """Global index of this shard's first column."""
         return 0 if self.axis is None else jax.lax.axis_index(self.axis) * local_columns
 
+    def local_labels(self, labels: jax.Array, local_columns: int) -> tuple[jax.Array, jax.Array]:
+        """Each label's row in this shard's ``local_columns`` (clipped) and whether it is here."""
+        local = jnp.asarray(labels).astype(jnp.int32) - self.offset(local_columns)
+        in_shard = (local >= 0) & (local < local_columns)
+        return jnp.clip(local, 0, local_columns - 1), in_shard
+
     def mask_padding(self, scores: jax.Array) -> jax.Array:
         """``scores [..., M_local]`` with the padding columns at ``-inf`` (a no-op without any)."""
         local = scores.shape[-1]

@@ -182,3 +182,31 @@ def test_cross_entropy_vocabulary_axis_moves_the_labels_shape():
         bn.cross_entropy(log_probs, jnp.zeros((5, 2), int), axis=3)
     with pytest.raises(ValueError, match="non-empty vocabulary axis"):
         bn.cross_entropy(jnp.zeros((2, 0)), jnp.zeros((2,), int))
+
+
+@pytest.mark.parametrize("reverse_only", [False, True])
+def test_log_partition_of_blocks_is_the_logsumexp_of_their_columns(reverse_only):
+    """Blocks in any order normalize as one row; -inf columns count for nothing; the gradient
+    (the hand-written VJP's too) is the softmax over all columns."""
+    from bottleneck.losses import log_partition
+
+    a = jax.random.normal(jax.random.key(0), (5, 7)) * 30.0
+    b = jax.random.normal(jax.random.key(1), (5, 3)) * 30.0
+    b = b.at[:, 1].set(-jnp.inf)
+    both = jnp.concatenate([b, a], axis=-1)
+    got = log_partition(a, b, jnp.zeros((5, 0)), reverse_only=reverse_only)
+    np.testing.assert_allclose(got, jax.nn.logsumexp(both, axis=-1), rtol=1e-6)
+    weights = jnp.arange(5.0)
+
+    def total(a, b):
+        return jnp.sum(weights * log_partition(a, b, reverse_only=reverse_only))
+
+    grad_a, grad_b = jax.grad(total, argnums=(0, 1))(a, b)
+    expected = weights[:, None] * jax.nn.softmax(both, axis=-1)
+    # exp(s - log Z) of scores ~100 in magnitude carries ~|s| eps of relative round-off.
+    np.testing.assert_allclose(
+        jnp.concatenate([grad_b, grad_a], -1), expected, rtol=100 * 1.2e-7, atol=1e-6
+    )
+    assert not np.any(np.isnan(grad_b))
+    with pytest.raises(ValueError, match="at least one vocabulary column"):
+        log_partition(jnp.zeros((2, 0)))

@@ -253,3 +253,20 @@ def test_monotone_mlp_strictly_increasing_with_unbounded_image():
     # Unbounded: the image keeps growing linearly far outside any sigmoid's bend.
     assert float(ends[0]) < -0.9e4 * float(slope) and float(ends[1]) > 0.9e4 * float(slope)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("num_bins", [7, 1000, 2**23])
+def test_privatized_histogram_sums_like_a_plain_one(num_bins):
+    """The accelerators' privatized scatter (R private copies, then a sum) gives the sums of
+    np.bincount, also when most updates share a few bins and when one copy is all that fits."""
+    from bottleneck.monotone import _privatized_histogram, _scatter_histogram
+
+    n = 50_001
+    crowded = jax.random.randint(jax.random.key(0), (n,), 0, 3)  # most updates in 3 bins
+    spread = jax.random.randint(jax.random.key(1), (n,), 0, num_bins)
+    index = jnp.where(jnp.arange(n) % 2 == 0, crowded, spread)
+    values = jax.random.normal(jax.random.key(2), (n,))
+    expected = np.bincount(np.asarray(index), np.asarray(values, np.float64), minlength=num_bins)
+    for histogram in (_privatized_histogram, _scatter_histogram):
+        got = jax.jit(histogram, static_argnums=2)(index, values, num_bins)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-3)

@@ -32,12 +32,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bottleneck._checks import require_finite_number, require_int
+from bottleneck._vma import reduce_like
 from bottleneck.losses import (
     DEFAULT_MEMORY_BUDGET,
     check_label_range,
     chunked_cross_entropy,
+    log_partition,
     measure_buffers_per_element,
-    target_log_probs,
+    nan_unless,
+    valid_labels,
 )
 from bottleneck.mixtures import mixture_log_probs
 from bottleneck.nn.pieces import HEAD_BUFFERS_PER_LOGIT, NORMALIZERS
@@ -49,6 +52,54 @@ from bottleneck.sharding import (
     split_rows_by_vocab,
     vocab_rows_metadata,
 )
+
+
+def affine_logits(
+    x: jax.Array, decoder: jax.Array, bias: jax.Array | None, *, reverse_only: bool = False
+) -> jax.Array:
+    """``x W^T + b``: ``[..., d'] x [M, d'] (+ [M]) -> [..., M]``, accumulated in float32.
+
+    The bias rides in the product as one more input feature (a column of ones in ``x``
+    against ``b`` beside ``W``): the logits are written once, not once by the product and again
+    by the addition, and ``b``'s gradient comes out of the product's transpose as one more
+    column of ``W``'s, not from a second pass over ``[..., M]``. ``reverse_only``: the
+    gradients through a hand-written VJP that reads ``dz`` in its one token-major layout (no
+    transposed copy of ``[..., M]``); forward mode cannot go through it (the chunked loss
+    sets it).
+    """
+    if bias is not None:
+        x = jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
+        decoder = jnp.concatenate([decoder, bias[:, None].astype(decoder.dtype)], axis=-1)
+    if not reverse_only:
+        return jnp.einsum("...d,md->...m", x, decoder, preferred_element_type=jnp.float32)
+    lead = x.shape[:-1]
+    z = _token_major_product(x.reshape(-1, x.shape[-1]), decoder)
+    return z.reshape(*lead, decoder.shape[0])
+
+
+@jax.custom_vjp
+def _token_major_product(x: jax.Array, decoder: jax.Array) -> jax.Array:
+    return jnp.einsum("nd,md->nm", x, decoder, preferred_element_type=jnp.float32)
+
+
+def _token_major_product_fwd(x, decoder):
+    return _token_major_product(x, decoder), (x, decoder)
+
+
+def _token_major_product_bwd(residuals, dz):
+    # Both gradients read dz [N, M] as it is, token-major: d decoder = (x^T dz)^T with the
+    # small x^T behind a barrier, so that the compiler does not fold the transposes into a
+    # dot over dz^T, which it would first write out as a second [M, N] copy of dz.
+    x, decoder = residuals
+    grad_x = jnp.einsum("nm,md->nd", dz, decoder.astype(dz.dtype)).astype(x.dtype)
+    x_t = jax.lax.optimization_barrier(x.T.astype(dz.dtype))
+    grad_decoder = jnp.einsum("dn,nm->dm", x_t, dz).T.astype(decoder.dtype)
+    # On a mesh: x is the same on every vocabulary shard and the decoder on every data shard;
+    # each gets the sum of the shards' contributions.
+    return reduce_like(grad_x, x), reduce_like(grad_decoder, decoder)
+
+
+_token_major_product.defvjp(_token_major_product_fwd, _token_major_product_bwd)
 
 
 def uniform_init(scale: float) -> Callable[..., jax.Array]:
@@ -273,10 +324,24 @@ class OutputHead(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """``W x + b``: ``[..., d'] -> [..., M]`` (this device's rows), accumulated in float32."""
-        z = jnp.einsum("...d,md->...m", x, self.decoder[...], preferred_element_type=jnp.float32)
+        return affine_logits(x, self.decoder[...], None if self.bias is None else self.bias[...])
+
+    def label_logits(
+        self, x: jax.Array, labels: jax.Array, *, vocab: VocabShard
+    ) -> tuple[jax.Array, jax.Array]:
+        """``w_y^T x_k + b_y`` ``[..., K]`` for ``x [..., K, d']`` and each token's label ``y``.
+
+        From the label's own decoder row (a gather of ``[..., d']``), not picked out of the
+        ``[..., M]`` logits, so the loss's gradient reaches ``w_y`` through ``[..., d']`` rows
+        instead of a one-hot ``[..., M]`` array. Also returns whether each label is one of
+        this device's columns (elsewhere the value is meaningless).
+        """
+        index, in_shard = vocab.local_labels(labels, self.decoder.shape[0])
+        rows = jnp.take(self.decoder[...], index, axis=0)
+        z = jnp.einsum("...kd,...d->...k", x, rows, preferred_element_type=jnp.float32)
         if self.bias is not None:
-            z = z + self.bias[...].astype(jnp.float32)
-        return z
+            z = z + jnp.take(self.bias[...], index).astype(jnp.float32)[..., None]
+        return z, in_shard
 
     def log_scores(self, z: jax.Array) -> jax.Array:
         """``log g(f(z))``, elementwise: the pointwise map, then the normalizer's log-score."""
@@ -328,6 +393,32 @@ class OutputHead(nnx.Module):
         inputs, log_prior = self.components(h, latent_mask)
         return vocab.mask_padding(self.log_scores(self.logits(inputs))), log_prior
 
+    def score_blocks(
+        self,
+        h: jax.Array,
+        labels: jax.Array,
+        latent_mask: jax.Array | None = None,
+        *,
+        vocab: VocabShard,
+        reverse_only: bool = False,
+    ) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
+        """What :meth:`token_log_probs` normalizes: the labels' log-scores and every column's.
+
+        Returns the labels' log-scores ``log g(f(z_y))`` ``[..., K]`` (zero where the label is
+        another device's column), the blocks of log-scores ``[..., K, M_b]`` that together
+        hold this device's columns (padding at ``-inf``), and the log prior ``[..., K]``
+        (``None``: one component). ``reverse_only``: see :func:`affine_logits`. A head of
+        another kind (:class:`~bottleneck.nn.MixtapeHead`) overrides this and
+        :meth:`mixture_scores`.
+        """
+        inputs, log_prior = self.components(h, latent_mask)
+        z_label, in_shard = self.label_logits(inputs, labels, vocab=vocab)
+        label_scores = jnp.where(in_shard[..., None], self.log_scores(z_label), 0.0)
+        bias = None if self.bias is None else self.bias[...]
+        z = affine_logits(inputs, self.decoder[...], bias, reverse_only=reverse_only)
+        scores = vocab.mask_padding(self.log_scores(z))
+        return label_scores, [scores], log_prior
+
     def token_log_probs(
         self,
         h: jax.Array,
@@ -335,17 +426,28 @@ class OutputHead(nnx.Module):
         latent_mask: jax.Array | None = None,
         *,
         vocab: VocabShard | None = None,
+        reverse_only: bool = False,
     ) -> jax.Array:
-        """``log p(labels | h)`` ``[...]`` from the vocabulary columns ``vocab`` (default: all)."""
+        r"""``log p(labels | h)`` ``[...]`` from the vocabulary columns ``vocab`` (default: all).
+
+        .. math:: \log p(y) = \log \sum_k \pi_k \exp\big(s_{k,y} - \log Z_k\big)
+
+        with the label's log-score ``s_{k,y}`` from its own decoder row and ``log Z_k`` from
+        :func:`~bottleneck.losses.log_partition` over the blocks of :meth:`score_blocks`.
+        Labels outside ``[0, M)`` give NaN at their position (value and gradient).
+        ``reverse_only``: hand-written gradients that write fewer ``[..., M]`` arrays, for
+        reverse mode only (:meth:`loss` sets it; see :func:`affine_logits`).
+        """
         vocab = VocabShard(self.vocab_size) if vocab is None else vocab
-        scores, log_prior = self.mixture_scores(h, latent_mask, vocab=vocab)
-        per_component = target_log_probs(
-            scores,
-            jnp.broadcast_to(labels[..., None], scores.shape[:-1]),
-            vocab_axis=vocab.axis,
-            vocab_offset=vocab.offset(scores.shape[-1]),
-            vocab_size=vocab.size,
+        check_label_range(labels, vocab.size)
+        label_scores, blocks, log_prior = self.score_blocks(
+            h, labels, latent_mask, vocab=vocab, reverse_only=reverse_only
         )
+        if vocab.axis is not None:  # the label's column lives on one device
+            label_scores = jax.lax.psum(label_scores, vocab.axis)
+        log_z = log_partition(*blocks, vocab_axis=vocab.axis, reverse_only=reverse_only)
+        per_component = label_scores - log_z
+        per_component = nan_unless(valid_labels(labels, vocab.size)[..., None], per_component)
         if log_prior is None:
             return per_component[..., 0]
         return jax.nn.logsumexp(per_component + log_prior.astype(jnp.float32), axis=-1)
@@ -420,7 +522,8 @@ class OutputHead(nnx.Module):
             graphdef, state = nnx.split(head)
 
             def token_log_probs(state, h, labels, constants=None):
-                return nnx.merge(graphdef, state).token_log_probs(h, labels, constants, vocab=vocab)
+                head = nnx.merge(graphdef, state)
+                return head.token_log_probs(h, labels, constants, vocab=vocab, reverse_only=True)
 
             shards = 1 if vocab.axis is None else jax.lax.axis_size(vocab.axis)
             return chunked_cross_entropy(
@@ -538,7 +641,8 @@ def _measured_buffers(head: OutputHead, dtype: Any, with_constants: bool) -> flo
         )
 
         def token_log_probs(state, h, labels, constants=None):
-            return nnx.merge(graphdef, state).token_log_probs(h, labels, constants)
+            head = nnx.merge(graphdef, state)
+            return head.token_log_probs(h, labels, constants, reverse_only=True)
 
         _MEASURED[key] = measure_buffers_per_element(
             token_log_probs,

@@ -25,7 +25,7 @@ b_{*,j}``, so their gated logits are a single product ``w_x^\top \sum_k \pi_{c,*
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ from bottleneck.mixtures import (
     sigmoid_tree_gated_logits,
     sigmoid_tree_log_weights,
 )
-from bottleneck.nn.heads import OutputHead, padded_rows_init, uniform_init
+from bottleneck.nn.heads import OutputHead, affine_logits, padded_rows_init, uniform_init
 from bottleneck.sharding import VOCAB, VocabShard, axis_size, context_mesh, vocab_rows_metadata
 
 GATES = ("sigmoid_tree", "softmax")
@@ -46,11 +46,12 @@ GATES = ("sigmoid_tree", "softmax")
 # the peak of its value and gradient: the component logits and the gates' pre-activations, the
 # sigmoid tree's leaf weights and gate slopes (sigmoid_tree_gated_logits' derivative) and the
 # gradients of the logits and pre-activations. The gated logits [C, M] add the head's
-# HEAD_BUFFERS_PER_LOGIT and the pieces' own. Measured with compiled.memory_analysis() on
-# XLA:CPU at d = 256, M = 32768, K = 4 (tests/nn/test_heads.py and tests/nn/test_mixtape.py check
-# that doubling the budget raises the temporaries by 0.5-1.1x the extra budget): with 4.5, 0.90
-# without gate sharing and 0.85, 0.68, 0.97 with 1%, 10%, 50% frequent tokens.
-MIXTAPE_BUFFERS_PER_LOGIT = 4.5
+# HEAD_BUFFERS_PER_LOGIT and the pieces' own. Calibrated with compiled.memory_analysis() on
+# XLA:CPU at d = 256, M = 32768, K = 4: tests/nn/test_heads.py and tests/nn/test_mixtape.py
+# check that doubling the budget raises the temporaries by 0.5-1.1x the extra budget, without
+# gate sharing and with 1%, 10% and 50% frequent tokens (4.5 until the loss took the label's
+# gated logit from its own rows, which left the unshared head at 1.16x).
+MIXTAPE_BUFFERS_PER_LOGIT = 5.5
 
 
 class MixtapeHead(OutputHead):
@@ -179,9 +180,9 @@ class MixtapeHead(OutputHead):
 
     @property
     def declared_buffers_per_element(self) -> float | None:
-        """Per element of :attr:`elements_per_token`: ``(b M + 4.5 K F) / elements``.
+        """Per element of :attr:`elements_per_token`: ``(b M + 5.5 K F) / elements``.
 
-        ``b``: the head's and its pieces' buffers per gated logit (``M`` per token), ``4.5``
+        ``b``: the head's and its pieces' buffers per gated logit (``M`` per token), ``5.5``
         (:data:`MIXTAPE_BUFFERS_PER_LOGIT`) per component logit of a token with its own gate
         (``F = M`` without gate sharing).
         """
@@ -230,6 +231,87 @@ class MixtapeHead(OutputHead):
         right = jnp.concatenate([embedding, ones, bias.astype(embedding.dtype)], axis=-1)
         return jnp.einsum("...gd,md->...gm", left, right, preferred_element_type=jnp.float32)
 
+    def label_gate_pre_activations(self, h: jax.Array, rows: jax.Array) -> jax.Array:
+        """Gate pre-activations ``[..., G]`` of one column per token (local ``rows`` ``[...]``).
+
+        :meth:`gate_pre_activations` for each token's own column only: ``[..., d_2]`` rows of
+        the gate embedding, not a ``[..., G, M]`` array.
+        """
+        lead, g = h.shape[:-1], self.num_gates
+        projected = jnp.tanh(self.gate_projection(h)).reshape(*lead, g, self.gate_features)
+        embedding = jnp.take(self.gate_embedding[...], rows, axis=0)
+        pre = jnp.einsum(
+            "...gd,...d->...g", projected, embedding, preferred_element_type=jnp.float32
+        )
+        bias = jnp.take(self.gate_bias[...], rows, axis=0).astype(jnp.float32)
+        return pre + self.gate_context(h).astype(jnp.float32) + bias
+
+    def shared_gate_pre_activations(self, h: jax.Array) -> jax.Array:
+        """The shared gate's pre-activations ``l_{*,j} = u_j^T g + b_{*,j}`` ``[..., G]``."""
+        return self.gate_context(h).astype(jnp.float32) + self.shared_gate_bias[...]
+
+    def score_blocks(
+        self,
+        h: jax.Array,
+        labels: jax.Array,
+        latent_mask: jax.Array | None = None,
+        *,
+        vocab: VocabShard,
+        reverse_only: bool = False,
+    ) -> tuple[jax.Array, list[jax.Array], None]:
+        r"""The labels' gated log-scores ``[..., 1]`` and every column's, in blocks ``[..., 1, M_b]``.
+
+        The label's gated logit comes from its own rows (decoder, gate embedding, gate bias).
+        With gate sharing the columns come in two blocks that are never put together into
+        ``[..., M]``: the frequent tokens' own gated logits ``[..., F]`` and the shared-gate
+        tokens' single product ``(\sum_k \pi_{*,k} h_k)^T w_x + b_x`` ``[..., M - F]``.
+        """
+        if not self.is_mixture:
+            return super().score_blocks(
+                h, labels, latent_mask, vocab=vocab, reverse_only=reverse_only
+            )
+        latents, _ = self.components(h, latent_mask)  # [..., K, d']
+        decoder = self.decoder[...]
+        bias = None if self.bias is None else self.bias[...]
+        rows, in_shard = vocab.local_labels(labels, decoder.shape[0])
+        pre = self.label_gate_pre_activations(h, rows)
+        columns = None
+        if self.shares_gates:
+            columns = self._gate_columns(vocab, decoder.shape[0])
+            own_gate = jnp.take(columns.own_gate, rows)
+            pre = jnp.where(own_gate[..., None], pre, self.shared_gate_pre_activations(h))
+        z = jnp.einsum(
+            "...kd,...d->...k", latents, jnp.take(decoder, rows, axis=0),
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        z_label = self.mix(z[..., None], pre[..., None])[..., 0]
+        if bias is not None:
+            z_label = z_label + jnp.take(bias, rows).astype(jnp.float32)
+        label_scores = jnp.where(in_shard, self.log_scores(z_label), 0.0)[..., None]
+        if columns is None:
+            z = self.gated(latents, decoder, self.gate_pre_activations(h))
+            if bias is not None:
+                z = z + bias.astype(jnp.float32)
+            return label_scores, [vocab.mask_padding(self.log_scores(z))[..., None, :]], None
+        frequent, shared = columns.frequent, columns.shared
+        own = self.gated(
+            latents, jnp.take(decoder, frequent, axis=0, mode="fill", fill_value=0),
+            self.gate_pre_activations(h, frequent),
+        )  # fmt: skip
+        if bias is not None:
+            own = own + jnp.take(bias, frequent, mode="fill", fill_value=0).astype(jnp.float32)
+        common = affine_logits(
+            self.shared_mixture(h, latents),
+            jnp.take(decoder, shared, axis=0, mode="fill", fill_value=0),
+            None if bias is None else jnp.take(bias, shared, mode="fill", fill_value=0),
+            reverse_only=reverse_only,
+        )
+        blocks = [
+            _mask_columns(self.log_scores(own), columns.frequent_real),
+            _mask_columns(self.log_scores(common), columns.shared_real),
+        ]
+        return label_scores, [block[..., None, :] for block in blocks], None
+
     def mixture_scores(
         self, h: jax.Array, latent_mask: jax.Array | None = None, *, vocab: VocabShard
     ) -> tuple[jax.Array, None]:
@@ -242,7 +324,7 @@ class MixtapeHead(OutputHead):
             z = self.gated(latents, decoder, self.gate_pre_activations(h))
         else:
             z = self.shared_gate_logits(h, latents, decoder)
-            frequent = self._local_frequent_columns(vocab, decoder.shape[0])
+            frequent = self._gate_columns(vocab, decoder.shape[0]).frequent
             if frequent.size:
                 rows = jnp.take(decoder, frequent, axis=0, mode="fill", fill_value=0)
                 own = self.gated(latents, rows, self.gate_pre_activations(h, frequent))
@@ -251,43 +333,95 @@ class MixtapeHead(OutputHead):
             z = z + self.bias[...].astype(jnp.float32)
         return vocab.mask_padding(self.log_scores(z))[..., None, :], None
 
+    def mix(self, component_logits: jax.Array, pre_activations: jax.Array) -> jax.Array:
+        """Gated logits ``[..., M]`` from ``[..., K, M]`` component logits and ``[..., G, M]`` gates.
+
+        The sigmoid tree goes through
+        :func:`~bottleneck.mixtures.sigmoid_tree_gated_logits` (fused, a two-product
+        derivative); the softmax gate through its log weights and
+        :func:`~bottleneck.mixtures.gated_logits`.
+        """
+        if self.gate == "sigmoid_tree":
+            return sigmoid_tree_gated_logits(component_logits, pre_activations)
+        return gated_logits(component_logits, self.log_gates(pre_activations))
+
     def gated(
         self, latents: jax.Array, decoder: jax.Array, pre_activations: jax.Array
     ) -> jax.Array:
         """``sum_k pi_{x,k} h_k^T w_x`` ``[..., M]`` from the gates' pre-activations.
 
         ``latents`` ``[..., K, d']``, ``decoder`` ``[M, d']``, ``pre_activations``
-        ``[..., G, M]``. The sigmoid tree goes through
-        :func:`~bottleneck.mixtures.sigmoid_tree_gated_logits` (fused, a two-product
-        derivative); the softmax gate through its log weights and
-        :func:`~bottleneck.mixtures.gated_logits`.
+        ``[..., G, M]``; mixed by :meth:`mix`.
         """
         z = jnp.einsum("...kd,md->...km", latents, decoder, preferred_element_type=jnp.float32)
-        if self.gate == "sigmoid_tree":
-            return sigmoid_tree_gated_logits(z, pre_activations)
-        return gated_logits(z, self.log_gates(pre_activations))
+        return self.mix(z, pre_activations)
+
+    def shared_mixture(self, h: jax.Array, latents: jax.Array) -> jax.Array:
+        """``sum_k pi_{*,k} h_k`` ``[..., d']``: the context the shared-gate tokens decode."""
+        pre = self.shared_gate_pre_activations(h)
+        weights = jnp.exp(self.log_gates(pre[..., None])[..., 0])  # [..., K]
+        return jnp.einsum("...k,...kd->...d", weights.astype(latents.dtype), latents)
 
     def shared_gate_logits(self, h: jax.Array, latents: jax.Array, decoder: jax.Array) -> jax.Array:
         """``w_x^T sum_k pi_{*,k} h_k`` for every column: one ``[..., d'] x [d', M]`` product."""
-        pre = self.gate_context(h).astype(jnp.float32) + self.shared_gate_bias[...]
-        weights = jnp.exp(self.log_gates(pre[..., None])[..., 0])  # [..., K]
-        mixed = jnp.einsum("...k,...kd->...d", weights.astype(latents.dtype), latents)
+        mixed = self.shared_mixture(h, latents)
         return jnp.einsum("...d,md->...m", mixed, decoder, preferred_element_type=jnp.float32)
 
-    def _local_frequent_columns(self, vocab: VocabShard, local_rows: int) -> jax.Array:
-        """This device's frequent columns (local indices; ``local_rows`` marks padding)."""
+    def _gate_columns(self, vocab: VocabShard, local_rows: int) -> GateColumns:
+        """This device's frequent and shared-gate columns (local indices) and their masks."""
         table = np.asarray(self.frequent_rows, np.int32)  # [shards, F], local, padded
         shards = table.shape[0]
-        if vocab.axis is None:  # every row here: the global indices of all shards' tokens
-            per_shard = local_rows // shards
-            globals_ = table + per_shard * np.arange(shards, dtype=np.int32)[:, None]
-            return jnp.asarray(globals_[table < per_shard])
-        if jax.lax.axis_size(vocab.axis) != shards:
+        if vocab.axis is not None and jax.lax.axis_size(vocab.axis) != shards:
             raise ValueError(
                 f"this Mixtape head was built for {shards} vocabulary shard(s) but runs on "
                 f"{jax.lax.axis_size(vocab.axis)}; build it inside the mesh it runs on"
             )
-        return jnp.asarray(table)[jax.lax.axis_index(vocab.axis)]
+        per_shard = local_rows if vocab.axis is not None else local_rows // shards
+        own = np.zeros((shards, per_shard + 1), bool)  # the last column catches the padding
+        np.put_along_axis(own, np.minimum(table, per_shard), True, axis=1)
+        own = own[:, :per_shard]
+        real = np.arange(shards * per_shard).reshape(shards, per_shard) < self.vocab_size
+        if vocab.axis is None:  # every row here: the global indices of all shards' tokens
+            own, real = own.reshape(1, -1), real.reshape(1, -1)
+        frequent = _padded_rows([np.flatnonzero(row) for row in own], own.shape[1])
+        shared = _padded_rows(
+            [np.flatnonzero(r & ~o) for r, o in zip(real, own, strict=True)], own.shape[1]
+        )
+        select = (lambda x: jnp.asarray(x[0])) if vocab.axis is None else (
+            lambda x: jnp.asarray(x)[jax.lax.axis_index(vocab.axis)]
+        )  # fmt: skip
+        return GateColumns(
+            frequent=select(frequent),
+            frequent_real=None if vocab.axis is None else select(frequent < own.shape[1]),
+            shared=select(shared),
+            shared_real=None if vocab.axis is None else select(shared < own.shape[1]),
+            own_gate=select(own),
+        )
+
+
+class GateColumns(NamedTuple):
+    """One device's columns under gate sharing: local indices, padded with an out-of-range row.
+
+    ``*_real`` mark the entries that are columns (``None``: all are); ``own_gate`` ``[rows]``
+    whether each local row has its own gate.
+    """
+
+    frequent: jax.Array
+    frequent_real: jax.Array | None
+    shared: jax.Array
+    shared_real: jax.Array | None
+    own_gate: jax.Array
+
+
+def _padded_rows(rows: list[np.ndarray], fill: int) -> np.ndarray:
+    """Index lists of unequal length as one ``[n, width]`` table, padded with ``fill``."""
+    width = max(len(r) for r in rows)
+    return np.stack([np.pad(r, (0, width - len(r)), constant_values=fill) for r in rows])
+
+
+def _mask_columns(scores: jax.Array, real: jax.Array | None) -> jax.Array:
+    """``scores [..., n]`` with the entries that are not columns (padding) at ``-inf``."""
+    return scores if real is None else jnp.where(real, scores, -jnp.inf)
 
 
 def _frequent_rows(

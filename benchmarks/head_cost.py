@@ -1,0 +1,290 @@
+"""Every head's loss against its own cost at an earlier commit, and against softmax, in one run.
+
+Times the jit-compiled forward + backward pass of ``head.loss(h, labels)`` (gradients for every
+parameter of the head and for ``h``) for each head at three batch shapes, with the code of this
+checkout and, in the same run, with the code of an earlier checkout (``--baseline DIR``, e.g.
+``git worktree add /tmp/baseline 8931464``). Each code version runs in a worker process of its
+own (a package cannot be imported twice in one process), and the parent interleaves the
+calls: repetition after repetition, every case of every version once, so load drifts hit all
+alike; ratios are medians of per-repetition ratios.
+
+Shapes: the study's training window (32 x 64 = 2,048 tokens, 10,000 words) at ``d = 32`` and
+128, and Merity et al.'s PTB batch (20 x 70 = 1,400 tokens) at ``d = 400``. Heads: softmax,
+sigsoftmax, PLIF (10^4 knots, as the study), MoS (K = 4, linear latents, as the study),
+Mixtape (K = 4) without gate sharing (as the first study ran it) and with it (the paper's
+Mixtape: the words seen fewer than ``--shared-gate-below`` times in PTB's training split share
+one gate; with ``--data_dir`` the counts are PTB's own, otherwise a Zipf law over 10,000 words,
+said in the results). Memory: the compiled temporaries of each pass
+(``compiled.memory_analysis()``) as a fraction of the full float32 logits ``[N, M]``.
+
+Run from the repository root (about 10 minutes on 2 cores, alone on the machine):
+
+    python benchmarks/head_cost.py --baseline /tmp/baseline [--data_dir PTB_DIR]
+        [--heads softmax,mixtape_shared] [--shapes study32,study128,merity400] [--repeats 7]
+        [--out benchmarks/results/head_cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHAPES = {  # name: (tokens, d, vocabulary)
+    "study32": (2048, 32, 10_000),
+    "study128": (2048, 128, 10_000),
+    "merity400": (1400, 400, 10_000),
+}
+HEADS = {  # name: (preset, options)
+    "softmax": ("softmax", {}),
+    "sigsoftmax": ("sigsoftmax", {}),
+    "plif": ("plif", {"num_knots": 10_000, "plif_noise": 1.0}),
+    "mos": ("mos", {"num_components": 4, "latent": "linear"}),
+    "mixtape": ("mixtape", {"num_components": 4}),
+    "mixtape_shared": ("mixtape", {"num_components": 4}),  # + token_counts, shared_gate_below
+}
+# Targets of the head-cost issue at the study's batch (ratios of medians in one run).
+LOSS_TARGETS = {"vs_baseline": 0.85, "mixtape_shared_vs_softmax": 2.0, "mixtape_shared_vs_mos": 0.6}
+PLIF_LOSS_TARGET = 1.8
+MEMORY_TARGET = 0.25
+
+
+def token_counts(data_dir: Path | None, vocab: int) -> tuple[np.ndarray, str]:
+    """Training counts per word id: PTB's (``data_dir/ptb.train.txt``) or a Zipf law."""
+    if data_dir is None:
+        ranks = np.arange(1, vocab + 1)
+        return np.floor(929_589 / (ranks * np.log(1.78 * vocab))).astype(np.int64), "zipf"
+    words: dict[str, int] = {}
+    counts: list[int] = []
+    path = Path(data_dir) / "ptb.train.txt"
+    if not path.is_file():
+        raise SystemExit(f"--data_dir: no ptb.train.txt in {data_dir}")
+    for line in path.read_text().splitlines():
+        for word in [*line.split(), "<eos>"]:
+            index = words.setdefault(word, len(words))
+            if index == len(counts):
+                counts.append(0)
+            counts[index] += 1
+    if len(counts) != vocab:
+        raise SystemExit(f"--data_dir: expected {vocab} words in ptb.train.txt, got {len(counts)}")
+    return np.asarray(counts, np.int64), "ptb"
+
+
+# ---- the worker: one code version, one process ----
+
+
+def worker(counts_path: str, threshold: float) -> None:
+    """Reads case names on stdin, answers each with one timing (ms) as a JSON line."""
+    import jax
+    from flax import nnx
+
+    from bottleneck import nn
+
+    counts = np.load(counts_path)
+    compiled: dict[str, Any] = {}
+
+    def build(case: str) -> Any:
+        head_name, shape_name = case.split("@")
+        tokens, d, vocab = SHAPES[shape_name]
+        preset, options = HEADS[head_name]
+        if head_name == "mixtape_shared":
+            options = {**options, "token_counts": counts, "shared_gate_below": threshold}
+        head = nn.make_head(preset, d, vocab, rngs=nnx.Rngs(0), **options)
+        graphdef, state = nnx.split(head)
+
+        def loss(state, h, labels):
+            return nnx.merge(graphdef, state).loss(h, labels)
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        h = jax.random.normal(jax.random.key(0), (tokens, d))
+        labels = jax.random.randint(jax.random.key(1), (tokens,), 0, vocab)
+        temp = fn.lower(state, h, labels).compile().memory_analysis()
+        value = float(jax.block_until_ready(fn(state, h, labels))[0])
+        memory = None if temp is None else temp.temp_size_in_bytes / (tokens * vocab * 4)
+        return fn, (state, h, labels), value, memory
+
+    for line in sys.stdin:
+        case = line.strip()
+        if case not in compiled:
+            fn, args, value, memory = build(case)
+            compiled[case] = (fn, args)
+            print(json.dumps({"value": value, "memory": memory}), flush=True)
+            continue
+        fn, args = compiled[case]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        print(json.dumps({"ms": 1e3 * (time.perf_counter() - start)}), flush=True)
+
+
+class Worker:
+    """A worker process running the code of ``root``."""
+
+    def __init__(self, root: Path, counts_path: Path, threshold: float):
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(counts_path), str(threshold)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+
+    def ask(self, case: str) -> dict[str, Any]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(case + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer:
+            raise SystemExit(f"a worker died on {case} (its error is above)")
+        return json.loads(answer)
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait()
+
+
+def commit_of(root: Path) -> str:
+    return subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip() or "unknown"  # fmt: skip
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    here = Path(__file__).resolve().parent.parent
+    versions = {"now": here}
+    if args.baseline is not None:
+        versions["baseline"] = args.baseline.resolve()
+    counts, source = token_counts(args.data_dir, 10_000)
+    counts_path = Path(args.out).with_suffix(".counts.npy")
+    counts_path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(counts_path, counts)
+    cases = [f"{head}@{shape}" for shape in args.shapes for head in args.heads]
+    workers = {
+        name: Worker(root, counts_path, args.shared_gate_below) for name, root in versions.items()
+    }
+    built = {(v, c): w.ask(c) for c in cases for v, w in workers.items()}
+    times: dict[str, dict[str, list[float]]] = {v: {c: [] for c in cases} for v in versions}
+    for repetition in range(args.repeats):
+        order = [(v, c) for c in cases for v in versions]
+        for version, case in order if repetition % 2 == 0 else reversed(order):
+            times[version][case].append(workers[version].ask(case)["ms"])
+        print(f"repetition {repetition + 1}/{args.repeats}", file=sys.stderr, flush=True)
+    for w in workers.values():
+        w.close()
+    counts_path.unlink()
+    rows = []
+    for case in cases:
+        head, shape = case.split("@")
+        now = times["now"][case]
+        row: dict[str, Any] = {
+            "case": case,
+            "head": head,
+            "shape": shape,
+            "ms": statistics.median(now),
+            "x_softmax": median_ratio(now, times["now"][f"softmax@{shape}"]),
+            "memory": built[("now", case)]["memory"],
+            "loss": built[("now", case)]["value"],
+        }
+        if "baseline" in versions:
+            before = times["baseline"][case]
+            row |= {
+                "ms_baseline": statistics.median(before),
+                "x_baseline": median_ratio(now, before),
+                "x_softmax_baseline": median_ratio(before, times["baseline"][f"softmax@{shape}"]),
+                "loss_baseline": built[("baseline", case)]["value"],
+            }
+        if "mos" in args.heads:
+            row["x_mos"] = median_ratio(now, times["now"][f"mos@{shape}"])
+        rows.append(row)
+    return {
+        "rows": rows,
+        "times_ms": times,
+        "commits": {name: commit_of(root) for name, root in versions.items()},
+        "token_counts": source,
+        "shared_gate_below": args.shared_gate_below,
+        "frequent_words": int(np.sum(counts >= args.shared_gate_below)),
+        "repeats": args.repeats,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    commits = result["commits"]
+    baseline = "baseline" in commits
+    header = ["shape", "head", "ms", "x softmax", "x MoS", "memory / logits"]
+    if baseline:
+        header[3:3] = [f"ms at {commits['baseline']}", "x baseline"]
+        header.append(f"x softmax at {commits['baseline']}")
+    lines = [
+        f"# Head loss cost, {commits['now']} against {commits.get('baseline', 'nothing')}",
+        "",
+        f"Forward + backward of `head.loss` (all gradients), median ms over {result['repeats']} "
+        "interleaved repetitions; ratios are medians of per-repetition ratios in the same run. "
+        f"Mixtape shared: words seen < {result['shared_gate_below']:g} times share one gate "
+        f"({result['frequent_words']} words with their own, counts: {result['token_counts']}). "
+        "Memory: compiled temporaries over the full float32 logits.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for row in result["rows"]:
+        cells = [row["shape"], row["head"], f"{row['ms']:.1f}"]
+        if baseline:
+            cells += [f"{row['ms_baseline']:.1f}", f"{row['x_baseline']:.2f}"]
+        cells += [f"{row['x_softmax']:.2f}", f"{row.get('x_mos', float('nan')):.2f}"]
+        cells.append("-" if row["memory"] is None else f"{row['memory']:.3f}")
+        if baseline:
+            cells.append(f"{row['x_softmax_baseline']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], float(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", type=Path, help="a checkout of the code to compare against")
+    parser.add_argument("--data_dir", type=Path, help="PTB's folder (ptb.train.txt) for counts")
+    parser.add_argument("--heads", default=",".join(HEADS), help="comma-separated")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--shared-gate-below", type=float, default=100.0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/head_cost.json"))
+    args = parser.parse_args()
+    args.heads = [h.strip() for h in args.heads.split(",") if h.strip()]
+    args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for name in args.heads:
+        if name not in HEADS:
+            parser.error(f"unknown head {name!r}; choose from {', '.join(HEADS)}")
+    for name in args.shapes:
+        if name not in SHAPES:
+            parser.error(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    if "softmax" not in args.heads:
+        parser.error("--heads must include softmax, the reference of the ratios")
+    if args.baseline is not None and not (args.baseline / "bottleneck").is_dir():
+        parser.error(f"--baseline {args.baseline} has no bottleneck/ package")
+    result = run(args)
+    text = markdown(result)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _timing import machine_info, write_results
+
+    write_results(args.out, {**result, "machine": machine_info()}, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
