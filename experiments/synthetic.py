@@ -5,14 +5,17 @@ embedding h_c in R^d per context and a shared output embedding W [M, d] (+ bias)
 head, so only the output layer limits the fit. It is trained full-batch with Adam on the exact
 expected cross-entropy -sum_x P*(x|c) log P_theta(x|c). Reported per (head, d, alpha, seed):
 mode matching (% of contexts whose most likely outcome is right), cross-entropy, KL to P*, and
-the numerical / effective rank of the learned log-probability matrix.
+the numerical / effective rank of the learned log-probability matrix; then their mean +- std
+over the seeds (``--seeds``, three by default: each seed draws its own P* and initialisation).
 
-    python experiments/synthetic.py                  # default grid, a few minutes on 2 CPU cores
+    python experiments/synthetic.py                  # default grid, about a minute a seed on 2 CPU cores
     python experiments/synthetic.py --preset smoke   # seconds
     python experiments/synthetic.py --preset paper   # larger grid, hours
 
-Writes results.json, results.csv, metrics.jsonl (training curves), config.json and one PNG per
-alpha (mode matching and KL against d, one line per head) into --out_dir.
+Writes results.json (``runs``: one row per seed; ``summary``: mean and std over seeds),
+results.csv (the per-seed rows), results.md (mean +- std, then every seed's row), metrics.jsonl
+(training curves), config.json and one PNG per alpha (mode matching and KL against d, one line
+per head, error bars the std over seeds) into --out_dir.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class Config(Checked):
     )  # fmt: skip
     dims: tuple[Count, ...] = (2, 4, 8, 16)
     alphas: tuple[Positive, ...] = (0.01,)
-    seeds: tuple[int, ...] = (0,)
+    #: each seed draws its own true laws P* and initialisation; the summary is mean +- std
+    seeds: tuple[int, ...] = (0, 1, 2)
     num_contexts: Count = 256
     num_outcomes: Annotated[int, Interval("[2, inf)")] = 512
     steps: Count = 1000
@@ -81,12 +85,15 @@ class Config(Checked):
         super().__post_init__()
         if not self.heads or not self.dims or not self.alphas or not self.seeds:
             raise ValueError("heads, dims, alphas and seeds must each name at least one value")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct, got {self.seeds}")
 
 
 PRESETS = {
     "smoke": Config(
         heads=("softmax", "plif", "mos"),
         dims=(2, 4),
+        seeds=(0, 1),
         num_contexts=32,
         num_outcomes=64,
         steps=40,
@@ -148,36 +155,85 @@ def train_one(config: Config, run, head: str, dim: int, alpha: float, seed: int,
     }
 
 
+METRICS = (
+    "mode_matching", "cross_entropy", "kl", "numerical_rank", "effective_rank", "near_tied_modes",
+)  # fmt: skip
 TABLE_COLUMNS = (
     "alpha", "d", "head", "mode_matching", "cross_entropy", "kl", "numerical_rank", "effective_rank",
 )  # fmt: skip
+# Decimals of each metric in results.md's mean +- std table.
+DECIMALS = {
+    "mode_matching": 1, "cross_entropy": 3, "kl": 3, "numerical_rank": 1, "effective_rank": 1,
+}  # fmt: skip
 PAGE_TEXT = (
-    "Mean over seeds per alpha, d and head: mode matching in % of contexts, cross-entropy and "
-    "KL(P* || P_theta) in nats, numerical and effective (99% energy) rank of the learned "
-    "contexts x outcomes log-probability matrix.\n\n"
+    "Mean ± std over the seeds {seeds} (std with ddof = 1; each seed draws its own true laws "
+    "P* and initialisation) per alpha, d and head: mode matching in % of contexts, "
+    "cross-entropy and KL(P* || P_theta) in nats, numerical and effective (99% energy) rank of "
+    "the learned contexts x outcomes log-probability matrix. Every seed's row follows. The "
+    "numbers move in the last digit from one machine to another (float32 summation order); "
+    "the spread over seeds is the scale to read them on.\n\n"
 )
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Mean over seeds per (alpha, d, head)."""
+    """Mean and std over seeds (ddof = 1; ``None`` for one seed) per (alpha, d, head): each
+    metric ``m`` of :data:`METRICS` as ``m`` (the mean) and ``m_std``.
+
+    Example:
+      >>> rows = [{"alpha": 0.1, "d": 2, "head": "softmax", "seed": s, **dict.fromkeys(METRICS, v)}
+      ...         for s, v in ((0, 1.0), (1, 3.0))]
+      >>> row = summarize(rows)[0]
+      >>> row["seeds"], row["kl"], row["kl_std"]
+      (2, 2.0, 1.4142135623730951)
+    """
     groups = defaultdict(list)
     for row in rows:
         groups[(row["alpha"], row["d"], row["head"])].append(row)
     summary = []
     for (alpha, dim, head), group in sorted(groups.items()):
-        mean = {
-            k: float(np.mean([r[k] for r in group]))
-            for k in (
-                "mode_matching",
-                "cross_entropy",
-                "kl",
-                "numerical_rank",
-                "effective_rank",
-                "near_tied_modes",
-            )
-        }
-        summary.append({"alpha": alpha, "d": dim, "head": head, "seeds": len(group), **mean})
+        stats: dict = {}
+        for k in METRICS:
+            values = np.array([r[k] for r in group], dtype=float)
+            stats[k] = float(values.mean())
+            stats[f"{k}_std"] = float(values.std(ddof=1)) if len(group) > 1 else None
+        summary.append({"alpha": alpha, "d": dim, "head": head, "seeds": len(group), **stats})
     return summary
+
+
+def mean_std_text(row: dict, metric: str) -> str:
+    """``row``'s mean of ``metric`` ± its std over seeds, at :data:`DECIMALS`' precision (the
+    mean alone for one seed), as results.md and the README write it.
+
+    Example:
+      >>> mean_std_text({"kl": 2.28749, "kl_std": 0.01234}, "kl")
+      '2.287 ± 0.012'
+    """
+    places = DECIMALS[metric]
+    std = row.get(f"{metric}_std")
+    text = f"{row[metric]:.{places}f}"
+    return text if std is None else f"{text} ± {std:.{places}f}"
+
+
+def page(summary: list[dict], rows: list[dict], seeds: tuple[int, ...]) -> str:
+    """results.md's body: the mean ± std table, then every seed's row."""
+    means = [
+        {
+            "alpha": r["alpha"],
+            "d": r["d"],
+            "head": r["head"],
+            "seeds": r["seeds"],
+            **{m: mean_std_text(r, m) for m in TABLE_COLUMNS[3:]},
+        }
+        for r in summary
+    ]
+    per_seed = sorted(rows, key=lambda r: (r["alpha"], r["d"], r["head"], r["seed"]))
+    return (
+        PAGE_TEXT.format(seeds=", ".join(map(str, seeds)))
+        + markdown_table(means)
+        + "\n\nEvery seed:\n\n"
+        + markdown_table(per_seed, ("seed", *TABLE_COLUMNS), floatfmt=".4g")
+        + "\n"
+    )
 
 
 def plot(summary: list[dict], run, heads: tuple[str, ...]) -> list:
@@ -191,9 +247,19 @@ def plot(summary: list[dict], run, heads: tuple[str, ...]) -> list:
                 key=lambda r: r["d"],
             )
             dims = [r["d"] for r in rows]
-            ax_mode.plot(dims, [r["mode_matching"] for r in rows], marker="o", label=head)
-            ax_kl.plot(dims, [r["kl"] for r in rows], marker="o", label=head)
-        for ax, ylabel in ((ax_mode, "mode matching (%)"), (ax_kl, "KL(P* || P_theta) (nats)")):
+            for ax, metric in ((ax_mode, "mode_matching"), (ax_kl, "kl")):
+                ax.errorbar(
+                    dims,
+                    [r[metric] for r in rows],
+                    yerr=[r[f"{metric}_std"] or 0.0 for r in rows],
+                    marker="o",
+                    capsize=3,
+                    label=head,
+                )
+        for ax, ylabel in (
+            (ax_mode, "mode matching (%, mean ± std over seeds)"),
+            (ax_kl, "KL(P* || P_theta) (nats, mean ± std)"),
+        ):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("embedding size d")
             ax.set_ylabel(ylabel)
@@ -237,9 +303,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run.write_csv("results.csv", rows)
     summary = summarize(rows)
     run.write_json("results.json", {"runs": rows, "summary": summary})
-    table = markdown_table(summary, TABLE_COLUMNS, floatfmt=".4g")
-    print(table)
-    run.write_page("results.md", "Synthetic Dirichlet study (Ganea et al. 2019)", PAGE_TEXT + table)
+    print(markdown_table(summary, TABLE_COLUMNS, floatfmt=".4g"))
+    run.write_page(
+        "results.md",
+        "Synthetic Dirichlet study (Ganea et al. 2019)",
+        page(summary, rows, config.seeds),
+    )
     paths = plot(summary, run, config.heads)
     print(
         f"\nwrote {run.root}/results.json, results.md, results.csv, metrics.jsonl, "

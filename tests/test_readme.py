@@ -50,19 +50,23 @@ def _synthetic_summary() -> dict[tuple[int, str], dict]:
 
 
 def test_readme_synthetic_table_is_the_committed_results():
+    """README's d = 4 rows are the committed summary's mean ± std over seeds, as the script
+    writes them (`synthetic.mean_std_text`)."""
+    from experiments import synthetic
+
+    cell = r"([\d.]+ ± [\d.]+)"
     rows = re.findall(
-        r"^\| ([a-z_]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \|$",
+        rf"^\| ([a-z_]+) \| {cell} \| {cell} \| {cell} \| {cell} \|$",
         README.read_text(),
         flags=re.M,
     )
     summary = _synthetic_summary()
     assert len(rows) == 7, "README's table should have one row per head at d = 4"
-    for head, mode, ce, kl, rank in rows:
+    for head, *cells in rows:
         row = summary[(4, head)]
-        assert mode == f"{row['mode_matching']:.1f}", head
-        assert ce == f"{row['cross_entropy']:.3f}", head
-        assert kl == f"{row['kl']:.3f}", head
-        assert int(rank) == row["numerical_rank"], head
+        assert row["seeds"] == 3, head
+        metrics = ("mode_matching", "cross_entropy", "kl", "numerical_rank")
+        assert cells == [synthetic.mean_std_text(row, m) for m in metrics], head
 
 
 def test_readme_beyond_rank_counts_are_the_committed_results():
@@ -74,7 +78,7 @@ def test_readme_beyond_rank_counts_are_the_committed_results():
     text = " ".join(README.read_text().split())
     assert f"softmax leaves {rows['softmax']['unargmaxable']:,} of PTB's words" in text
     assert rows["softmax"]["hidden_size_estimate"] == rows["softmax"]["d"] == 16
-    assert "not from theirs, MoS's or Mixtape's" in text
+    assert "not from sigsoftmax's, PLIF's, MoS's or Mixtape's" in text
     assert all(
         rows[h]["hidden_size_estimate"] > 16 for h in ("sigsoftmax", "plif", "mos", "mixtape")
     )
@@ -101,10 +105,43 @@ def test_readme_rare_word_shares_are_the_committed_results():
     assert all(rows[h]["all"]["nll"] > softmax["all"]["nll"] for h in trailing)
     assert f"{rare_share('sigsoftmax'):.0%} of sigsoftmax's deficit" in text
     assert f"{rare_share('mixtape'):.0%} of Mixtape's" in text
-    assert min(rare_share("plif"), rare_share("mos")) >= 1
-    assert "and all of PLIF's and MoS's comes from them" in text
+    assert min(rare_share("plif"), rare_share("mos")) >= 1  # "all of PLIF's and MoS's"
     positions = sum(softmax[g]["positions"] for g in rare) / softmax["all"]["positions"]
-    assert f"they are {positions:.0%} of the test positions" in text
+    nll = sum(softmax[g]["positions"] * softmax[g]["nll"] for g in rare) / (
+        softmax["all"]["positions"] * softmax["all"]["nll"]
+    )
+    assert f"they are {positions:.0%} of the test positions but {nll:.0%} of softmax's" in text
+
+
+def test_readme_rare_word_share_between_softmax_seeds_is_the_committed_results():
+    """The same share of the gap between two of softmax's own seeds at d = 128: its range."""
+    rows = {
+        r["run"]: r["test_nll_by_train_count"]
+        for r in json.loads((RESULTS / "consequences-ptb-transformer.json").read_text())
+        if "test_nll_by_train_count" in r
+    }
+    seeds = [rows[f"softmax-d128-s{s}"] for s in (1, 2, 3)]
+    shares = []
+    for worse in seeds:
+        for better in seeds:
+            gap = {g: worse[g]["positions"] * (worse[g]["nll"] - better[g]["nll"]) for g in worse}
+            if gap["all"] > 0:
+                shares.append((gap["0-9"] + gap["10-99"]) / gap["all"])
+    assert len(shares) == 3
+    text = " ".join(README.read_text().split())
+    assert f"they hold {100 * min(shares):.0f}–{100 * max(shares):.0f}% of the gap" in text
+
+
+def test_readme_gradient_share_is_the_committed_results():
+    """The measured ||Pg||/||g|| at d = 16 (every head and seed) and sqrt(d/M)."""
+    ratios = [
+        r["gradient_ratio_median"]
+        for r in json.loads((RESULTS / "consequences-ptb-transformer.json").read_text())
+        if r["d"] == 16 and r.get("gradient_ratio_median") is not None
+    ]
+    text = " ".join(README.read_text().split())
+    assert f"{100 * min(ratios):.1f}–{100 * max(ratios):.1f}% of the loss gradient's norm" in text
+    assert f"sqrt(d/M) = {100 * (16 / 10_000) ** 0.5:.1f}%" in text
 
 
 def _train_test_gaps(run: str) -> tuple[float, float]:
@@ -117,17 +154,6 @@ def _train_test_gaps(run: str) -> tuple[float, float]:
         rows[run][key]["0-9"]["nll"] - rows[softmax][key]["0-9"]["nll"]
         for key in ("train_nll_by_train_count", "test_nll_by_train_count")
     )
-
-
-def test_readme_train_and_test_gaps_are_the_committed_results():
-    text = " ".join(README.read_text().split())
-    (mos_train, mos_test), (mixtape_train, mixtape_test) = map(
-        _train_test_gaps, ("mos-d128-s1", "mixtape-d128-s1")
-    )
-    assert f"(−{-mos_train:.2f} and −{-mixtape_train:.2f} nats)" in text
-    assert f"at test (+{mos_test:.2f} and +{mixtape_test:.2f}), overfitting" in text
-    train, test = _train_test_gaps("sigsoftmax-d128-s1")
-    assert f"(+{train:.2f} nats; +{test:.2f} at test), underfitting" in text
 
 
 def test_beyond_rank_train_and_test_table_is_the_committed_results():
@@ -166,7 +192,8 @@ def test_readme_and_guide_call_the_study_partial_while_its_report_does():
 
 def test_readme_converged_table_is_the_report_s():
     """Once the grid is complete the README's language-model table is its report's head x d
-    grid (softmax's test perplexity, each head's gain over it, the published gains) as written."""
+    grid (softmax's test perplexity, each head's gain over it with its interval, the published
+    gains) as written."""
     report = (RESULTS / "ptb-transformer.md").read_text()
     lines = README.read_text().splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("| softmax (test ppl) ")]
@@ -178,31 +205,39 @@ def test_readme_converged_table_is_the_report_s():
         assert "\n".join(table) + "\n" in report, "README's table is not the report's"
 
 
-def test_readme_negative_control_is_the_committed_rows():
-    """The README's control sentence against docs/results/ptb-transformer-control.csv."""
-    test_ppl: dict[str, list[float]] = {}
-    with open(RESULTS / "ptb-transformer-control.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            test_ppl.setdefault(row["head"], []).append(float(row["test_ppl"]))
-    assert {len(seeds) for seeds in test_ppl.values()} == {3}, "the control has three seeds a head"
-    softmax = test_ppl["softmax"]
-    spread = max(max(s) - min(s) for s in test_ppl.values())
-    mean = {head: sum(seeds) / len(seeds) for head, seeds in test_ppl.items()}
+def _language_model_section() -> str:
+    text = README.read_text()
+    start = text.index("## Language models")
+    return " ".join(text[start : text.index("\n## ", start + 1)].split()).replace("−", "-")
 
-    def gain_pct(head: str) -> float:
-        return 100 * (1 - mean[head] / mean["softmax"])
 
-    text = " ".join(README.read_text().split())
-    assert "PLIF and MoS tie with softmax" in text
-    assert all(abs(mean[h] - mean["softmax"]) < spread for h in ("plif", "mos"))
-    assert f"sigsoftmax is {gain_pct('sigsoftmax'):.1f}% better" in text
-    assert max(test_ppl["sigsoftmax"]) < min(softmax), "better in every seed"
-    assert f"Mixtape {-gain_pct('mixtape'):.1f}% worse in every seed" in text
-    assert min(test_ppl["mixtape"]) > max(softmax)
+def test_readme_language_model_numbers_are_the_reports():
+    """Each interval the README's language-model section quotes after its table (gains,
+    trends, the control) is one its reports print; so are the design's spread and detectable
+    gain, and each trend's slope with its interval."""
+    section = _language_model_section().split("| mixtape ")[-1]  # the table: tested above
+    reports = "".join(
+        (RESULTS / f"{name}.md").read_text()
+        for name in ("ptb-transformer", "ptb-transformer-control")
+    )
+    quoted = re.findall(r"\[[+-]\d+\.\d+, [+-]\d+\.\d+\]", section)
+    assert len(quoted) >= 10
+    for interval in quoted:
+        assert interval in reports, interval
+    power = re.search(r"spread \((\d+\.\d+) points\) the design detects (\d+\.\d+) points", section)
+    assert power and f"| {power[1]} " in reports and f"| {power[2]} " in reports
+    seeds = re.search(r"needs (\d+) seeds for 1 point", section)
+    assert seeds and re.search(rf"\| median over all comparisons .*\| {seeds[1]}\s+\|", reports)
+    per_doubling = section[section.index("per doubling") : section.index("a trend not")]
+    trends = re.findall(r"(sigsoftmax|PLIF|MoS|Mixtape) (-\d+\.\d+) (\[[^]]+\])", per_doubling)
+    assert len(trends) == 4
+    for head, slope, interval in trends:
+        row = re.search(rf"\| {head.lower()}\s+\| {slope}\s+\| {re.escape(interval)}", reports)
+        assert row, (head, slope, interval)
 
 
 def test_committed_synthetic_results_are_what_the_code_computes(tmp_path):
-    """A slice of the committed study (d = 4, softmax and PLIF), rerun with the code.
+    """A slice of the committed study (d = 4, softmax and PLIF, seed 0), rerun with the code.
 
     Each (head, d) of the study trains on its own (the task depends on alpha and seed only), so the
     slice reproduces those rows of the full run, bit for bit on the machine that made the file:
@@ -215,16 +250,17 @@ def test_committed_synthetic_results_are_what_the_code_computes(tmp_path):
     most), the numerical rank exactly (it is d + 2 for softmax and full for PLIF, far from the
     threshold), the effective rank within 1.
     """
-    expected = _synthetic_summary()
+    runs = json.loads((RESULTS / "synthetic.json").read_text())["runs"]
+    expected = {(r["d"], r["head"]): r for r in runs if r["seed"] == 0}
     out = tmp_path / "synthetic"
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
     subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "synthetic.py"), "--dims", "4",
-         "--heads", "softmax", "plif", "--out_dir", str(out)],
+         "--heads", "softmax", "plif", "--seeds", "0", "--out_dir", str(out)],
         check=True, capture_output=True, cwd=ROOT, timeout=600,
         env={**os.environ, "XLA_FLAGS": flags.strip()},
     )  # fmt: skip
-    summary = json.loads((out / "results.json").read_text())["summary"]
+    summary = json.loads((out / "results.json").read_text())["runs"]
     assert {(row["d"], row["head"]) for row in summary} == {(4, "softmax"), (4, "plif")}
     for row in summary:
         committed = expected[(row["d"], row["head"])]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from bottleneck.train import parse_config
 from experiments import lm_study
@@ -294,11 +295,14 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     text = lm_study.markdown(table, rows, config)
     assert f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}" in text and "| 2/3 " in text
     grid = lm_study.gains_by_d(table, config, decimals=1)  # the head x d grid for a README
+    low, high = stats.t.interval(
+        0.95, 2, loc=per_seed.mean(), scale=np.std(per_seed, ddof=1) / np.sqrt(3)
+    )
     assert grid == [
         {"head": "softmax (test ppl)", "d = 16": f"110.0 ± {np.std(softmax, ddof=1):.1f}",
-         "published (PTB)": "58.37"},
-        {"head": "mos", "d = 16": f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}% (2/3)",
-         "published (PTB)": "+3.32%"},  # Yang et al.'s 3.3% (the issue's reading)
+         "published (PTB)": "58.37, 58.8"},  # the baselines the published gains are against
+        {"head": "mos", "d = 16": f"{entry['gain_pct']:+.2f} [{low:+.2f}, {high:+.2f}] (2/3)",
+         "published (PTB)": "+3.32% vs 58.37 (other model)"},  # Yang et al.'s MoS: another model
     ]  # fmt: skip
     assert grid[1]["d = 16"] in text  # the report carries the grid under its table
     wider = dataclasses.replace(config, heads=("softmax", "sigsoftmax", "mos", "plif"), ds=(16, 32))
@@ -307,8 +311,8 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     assert [r["head"] for r in grid] == ["softmax (test ppl)", "mos", "plif"]  # no sigsoftmax cell
     assert [r["d = 32"] for r in grid] == ["", "—", ""] and grid[2]["d = 16"] == "—"
     published = {h: r.text() for h, r in lm_study.PUBLISHED_PTB.items()}
-    assert published == {"softmax": "58.37", "sigsoftmax": "+0.68%", "plif": "+1.92%",
-                         "mos": "+3.32%"}  # fmt: skip
+    assert published == {"softmax": "58.37", "sigsoftmax": "+0.68% vs 58.8",  # Kanai's softmax
+                         "plif": "+1.92% vs 58.37", "mos": "+3.32% vs 58.37 (other model)"}  # fmt: skip
     control = lm_study.PRESETS["control"]  # 64 words: not the papers' setting, no such column
     at_64 = [r | {"d": 64} for r in rows if r["head"] == "softmax"]
     (softmax_row,) = lm_study.gains_by_d(lm_study.summarize(at_64, control), control, decimals=1)
@@ -389,3 +393,104 @@ def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke,
     }
     code, _, stderr = _run(env, "--report_only", "--out_dir", str(tmp_path / "x"))
     assert code == 2 and "report_only reads --results_csv" in stderr
+
+
+def test_paired_t_is_scipy_s_paired_test_and_interval():
+    """Three per-seed gains worked with numpy/scipy: the interval is mean +- t_{0.975, 2} s /
+    sqrt(3), the p-value the paired t test's of the two heads' perplexities."""
+    softmax, head = np.array([120.0, 118.0, 125.0]), np.array([118.5, 118.2, 122.0])
+    gains = 100 * (softmax - head) / softmax
+    got = lm_study.paired_t(gains)
+    half = 4.302652729749462 * gains.std(ddof=1) / np.sqrt(3)  # t_{0.975, 2}
+    np.testing.assert_allclose(
+        [got["ci_low"], got["ci_high"]], [gains.mean() - half, gains.mean() + half]
+    )
+    t = gains.mean() / (gains.std(ddof=1) / np.sqrt(3))
+    np.testing.assert_allclose(got["p"], 2 * stats.t.sf(abs(t), 2), rtol=1e-10)
+    np.testing.assert_allclose(got["p"], stats.ttest_rel(softmax / softmax, head / softmax).pvalue)
+    assert lm_study.paired_t([1.0]) is None  # one seed: no spread, no test
+    assert lm_study.paired_t([2.0, 2.0])["p"] == 0.0 and lm_study.paired_t([0.0, 0.0])["p"] == 1.0
+
+
+def test_holm_adjusts_step_down_and_keeps_order():
+    # Sorted 0.001, 0.01, 0.02, 0.04 of m = 4: 0.004, 0.03, max(0.03, 0.04), max(0.04, 0.04).
+    np.testing.assert_allclose(lm_study.holm([0.04, 0.001, 0.02, 0.01]), [0.04, 0.004, 0.04, 0.03])
+    assert lm_study.holm([0.5, 0.9]) == [1.0, 1.0]  # capped at 1
+    assert lm_study.holm([]) == []
+
+
+def test_power_of_the_paired_t_test():
+    """The noncentral t's power against a simulation, and its inverses."""
+    rng = np.random.default_rng(0)
+    effect, spread, n = 2.0, 1.0, 4
+    samples = rng.normal(effect, spread, size=(40_000, n))
+    t = samples.mean(1) / (samples.std(1, ddof=1) / np.sqrt(n))
+    simulated = np.mean(np.abs(t) > stats.t.ppf(0.975, n - 1))
+    assert abs(lm_study.paired_power(effect, spread, n) - simulated) < 0.01
+    detectable = lm_study.detectable_gain(0.75, 3)
+    np.testing.assert_allclose(lm_study.paired_power(detectable, 0.75, 3), 0.8, atol=1e-9)
+    assert 2.4 < detectable < 2.5  # about 3.26 spreads with three seeds
+    needed = lm_study.seeds_needed(1.0, 0.75)
+    assert needed == 7  # Issue #48's estimate
+    assert (
+        lm_study.paired_power(1.0, 0.75, needed - 1)
+        < 0.8
+        <= lm_study.paired_power(1.0, 0.75, needed)
+    )
+
+
+def test_gain_trend_is_least_squares_on_log2_d():
+    ds = [16, 16, 32, 32, 64, 64, 128, 128]
+    gains = [2.0, 1.0, 1.5, 0.5, 0.0, -0.5, -1.0, -1.5]
+    trend = lm_study.gain_trend(ds, gains)
+    x = np.log2(ds)
+    slope, intercept = np.polyfit(x, gains, 1)
+    residuals = np.array(gains) - (slope * x + intercept)
+    stderr = np.sqrt(residuals @ residuals / (len(x) - 2) / np.sum((x - x.mean()) ** 2))
+    half = stats.t.ppf(0.975, len(x) - 2) * stderr
+    np.testing.assert_allclose(
+        [trend["slope"], trend["ci_low"], trend["ci_high"]], [slope, slope - half, slope + half]
+    )
+    assert trend["cells"] == 8 and lm_study.gain_trend([16, 16, 16], [1.0, 2.0, 3.0]) is None
+
+
+def test_report_gives_intervals_holm_power_trend_and_device_crossings():
+    """Two heads, two d's, three seeds; seed 3's mos at d = 32 trained on a GPU, its softmax on
+    the CPU: the pair crosses devices and the report gives the gain without it too."""
+    config = lm_study.Config(heads=("softmax", "plif", "mos"), ds=(16, 32), seeds=(1, 2, 3))
+
+    def row(head, d, seed, ppl, device="cpu"):
+        return {"head": head, "d": d, "seed": seed, "status": "done", "test_ppl": ppl,
+                "valid_ppl": ppl, "epochs": 5, "stop_reason": "early stopping",
+                "converged": True, "seconds_per_epoch": 1.0, "train_seconds": 5.0,
+                "params": 10 * d, "device": device, "valid_curve": "3.0 2.0"}  # fmt: skip
+
+    ppl = {"softmax": [100.0, 102.0, 101.0], "plif": [99.0, 101.5, 99.5], "mos": [98.0, 99.0, 97.0]}
+    rows = [
+        row(head, d, seed, p + (d == 32) * 10, "gpu" if (head, d, seed) == ("mos", 32, 3) else "cpu")
+        for head, values in ppl.items() for d in (16, 32) for seed, p in zip((1, 2, 3), values, strict=True)
+    ]  # fmt: skip
+    table = lm_study.summarize(rows, config)
+    entries = {(e["head"], e["d"]): e for e in table if e["head"] != "softmax"}
+    p_values = [entries[k]["p_value"] for k in entries]
+    np.testing.assert_allclose([entries[k]["p_holm"] for k in entries], lm_study.holm(p_values))
+    assert {e["comparisons"] for e in entries.values()} == {4}
+    mos32 = entries[("mos", 32)]
+    assert mos32["cross_device_seeds"] == [3] and entries[("mos", 16)]["cross_device_seeds"] == []
+    kept = [100 * (s - h) / s for s, h in ((110.0, 108.0), (112.0, 109.0))]  # seeds 1 and 2
+    np.testing.assert_allclose(mos32["same_device"]["gain_pct"], np.mean(kept))
+    text = lm_study.markdown(table, rows, config)
+    assert "Holm over all 4 head × d comparisons" in " ".join(text.split())
+    plif16 = entries[("plif", 16)]
+    low, high = plif16["gain_ci"]
+    reading = "no detectable difference" if low <= 0 <= high else "gain"
+    assert f"[{low:+.2f}, {high:+.2f}]" in text and reading in text
+    assert "seed 3 crosses" in text and f"{np.mean(kept):+.2f}" in text
+    spread = np.median([e["gain_pct_std"] for e in entries.values()])
+    assert f"{lm_study.detectable_gain(spread, 3):.2f}" in text
+    trend = lm_study.gain_trend(
+        [16] * 3 + [32] * 3, plif16["seed_gains_pct"] + entries[("plif", 32)]["seed_gains_pct"]
+    )
+    assert f"{trend['slope']:+.2f}" in text
+    grid = lm_study.gains_by_d(table, config, decimals=1)
+    assert grid[2]["d = 32"].endswith("(3/3)†") and not grid[2]["d = 16"].endswith("†")

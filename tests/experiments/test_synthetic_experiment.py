@@ -3,6 +3,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from experiments import synthetic
@@ -37,10 +38,11 @@ def test_smoke_preset_writes_results_table_and_plot(smoke_runs):
         "synthetic_alpha0.01.png",
     ):
         assert (out / name).stat().st_size > 0, name
-    runs = json.loads((out / "results.json").read_text())["runs"]
-    assert {(r["head"], r["d"]) for r in runs} == {
-        (h, d) for h in ("softmax", "plif", "mos") for d in (2, 4)
-    }
+    results = json.loads((out / "results.json").read_text())
+    runs = results["runs"]
+    assert sorted((r["head"], r["d"], r["seed"]) for r in runs) == sorted(
+        (h, d, s) for h in ("softmax", "plif", "mos") for d in (2, 4) for s in (0, 1)
+    )
     for r in runs:
         assert 0 <= r["mode_matching"] <= 100 and r["kl"] >= 0
         if r["head"] == "softmax":  # rank <= d + 2 with the output bias (Theorem 2)
@@ -50,7 +52,47 @@ def test_smoke_preset_writes_results_table_and_plot(smoke_runs):
     assert "alpha |" in result.stdout and "mode_matching" in result.stdout
     page = (out / "results.md").read_text()
     assert page.startswith("# Synthetic Dirichlet study") and "at commit `" in page
-    assert page.count("alpha |") == 1
+    assert page.count("alpha |") == 2  # mean ± std, then every seed
+    for row in results["summary"]:  # the summary is the seeds' mean and std, on the page
+        seeds = [r for r in runs if (r["head"], r["d"]) == (row["head"], row["d"])]
+        kl = np.array([r["kl"] for r in seeds])
+        assert row["seeds"] == 2
+        np.testing.assert_allclose([row["kl"], row["kl_std"]], [kl.mean(), kl.std(ddof=1)])
+        text = f"| {row['head']:<7} |       2 | {synthetic.mean_std_text(row, 'mode_matching')} "
+        assert text in page, text
+
+
+def test_summary_is_mean_and_std_over_seeds():
+    """Worked by hand: KL 1.0, 2.0, 4.0 over three seeds: mean 7/3, std sqrt(7/3) (ddof = 1)."""
+    rows = [
+        {
+            "alpha": 0.01,
+            "d": 4,
+            "head": "softmax",
+            "seed": seed,
+            **dict.fromkeys(synthetic.METRICS, v),
+        }
+        for seed, v in ((0, 1.0), (1, 2.0), (2, 4.0))
+    ] + [
+        {
+            "alpha": 0.01,
+            "d": 8,
+            "head": "softmax",
+            "seed": 0,
+            **dict.fromkeys(synthetic.METRICS, 5.0),
+        }
+    ]
+    four, eight = synthetic.summarize(rows)
+    assert (four["d"], four["seeds"], eight["seeds"]) == (4, 3, 1)
+    assert four["kl"] == pytest.approx(7 / 3) and four["kl_std"] == pytest.approx((7 / 3) ** 0.5)
+    assert eight["kl"] == 5.0 and eight["kl_std"] is None
+    assert synthetic.mean_std_text(four, "kl") == "2.333 ± 1.528"
+    assert synthetic.mean_std_text(eight, "mode_matching") == "5.0"
+
+
+def test_seeds_must_be_distinct():
+    with pytest.raises(ValueError, match="seeds must be distinct"):
+        synthetic.Config(seeds=(1, 1))
 
 
 def test_same_seed_same_results(smoke_runs):
