@@ -139,6 +139,12 @@ class TransformerConfig(Checked):
     #: the head's input width d behind learned projections (the bottleneck, with the trunk
     #: unchanged; tied: a factorized d-wide embedding); None: d_model
     head_features: Count | None = None
+    #: the input embedding's width e, the same at every --head_features: a table E [M, e],
+    #: projected to d_model unless e = d_model, and (tied) the head's decoder E Q, Q a learned
+    #: [e, d] map, so that only the head changes with d (e = d_model: the trunk of the model
+    #: without --head_features); None: d_model wide, or d wide when tied with --head_features
+    #: (the factorized table)
+    embedding_features: Count | None = None
 
     @property
     def head_width(self) -> int:

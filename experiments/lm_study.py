@@ -17,6 +17,11 @@ not fixed across d: the tied embedding is factorized (ALBERT), a ``d``-wide tabl
 the head's decoder, projected up to the trunk's width at the input, so d sizes the input
 embedding too (softmax's parameters go from 0.57 M at d = 16 to 1.72 M at d = 128). Mixtures
 decode ``K`` latents of width ``d`` with the same tied table.
+``--embedding fixed`` keeps everything but the head the same at every ``d`` instead: a
+``d_model``-wide tied table ``E`` (the unfactorized model's embedding) decoded by the head as
+``E Q`` with a learned ``[d_model, d]`` map ``Q`` (``--embedding_features`` of
+``language_model.py``; its digests differ from the factorized grid's, so the two never mix in
+one results CSV).
 The presets ``awd-*`` are the earlier study: a 2-layer AWD-LSTM of inner width ``--nhid`` whose
 last layer, tied embedding and head input have width ``d`` (``awd-2epoch`` is the grid of
 docs/lm_study.md).
@@ -70,7 +75,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import matplotlib
 import numpy as np
@@ -94,7 +99,7 @@ from bottleneck.train.experiment import Checked, Count, one_line_errors
 from bottleneck.train.run_folder import accelerator, check_resumable, code_commit, to_jsonable
 from bottleneck.train.run_loop import TrainingDiverged
 from experiments import language_model, rank
-from experiments.language_model import AWDLSTMConfig
+from experiments.language_model import AWDLSTMConfig, TransformerConfig
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -112,6 +117,11 @@ class Config(Checked):
     trunk: language_model.Config = language_model.PRESETS["transformer-study"]
     heads: tuple[HeadName, ...] = ("softmax", "sigsoftmax", "plif", "mos", "mixtape")
     ds: tuple[Count, ...] = (16, 32, 64, 128)  # bottleneck widths d (the head's input)
+    #: a Transformer's tied embedding: factorized (a d-wide table projected up to the trunk,
+    #: so the trunk's input changes with d; the grid of docs/results/) | fixed (the trunk's own
+    #: --embedding_features-wide table, d_model by default, the head decoding with E Q: only
+    #: the head changes with d)
+    embedding: Literal["factorized", "fixed"] = "factorized"
     seeds: tuple[int, ...] = (1, 2, 3)
     rank_d: Count | None = 16  # d whose first seed's test log-probs are ranked; None: skip
     rank_tokens: Count = 4000  # test rows ranked
@@ -136,6 +146,20 @@ class Config(Checked):
             values = getattr(self, name)
             if not values or len(set(values)) != len(values):
                 raise ValueError(f"{name} must name distinct values, at least one, got {values}")
+        model = self.trunk.model
+        if self.embedding == "fixed" and not isinstance(model, TransformerConfig):
+            raise ValueError(
+                f"embedding 'fixed' is a Transformer's (model:transformer), not {model.family}'s"
+            )
+        if (
+            self.embedding == "factorized"
+            and isinstance(model, TransformerConfig)
+            and model.embedding_features is not None
+        ):
+            raise ValueError(
+                f"embedding_features {model.embedding_features} fixes the trunk's embedding: "
+                "give it with --embedding fixed"
+            )
         if self.rank_d is not None and self.rank_d not in self.ds:
             raise ValueError(f"rank_d {self.rank_d} is not one of ds {self.ds}")
         for head in self.heads:  # the language model's own checks, for every cell, now
@@ -148,12 +172,16 @@ def cell_name(head: str, d: int, seed: int) -> str:
 
 def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.Config:
     """The language-model config of one cell: the trunk with this cell's head, width, seed and
-    folder (the prepared corpus is shared)."""
+    folder (the prepared corpus is shared); ``--embedding fixed``: the trunk's embedding
+    ``embedding_features`` wide (``d_model`` unless set) at every ``d``."""
     root, trunk = Path(config.out_dir), config.trunk
     ranked = head in config.heads and d == config.rank_d and seed == config.seeds[0]
+    model = trunk.model.with_head_width(d)
+    if config.embedding == "fixed":
+        model = replace(model, embedding_features=model.embedding_features or model.d_model)
     return replace(
         trunk,
-        model=trunk.model.with_head_width(d),
+        model=model,
         data=replace(trunk.data, tfds_dir=str(root / "tfds")),
         head=replace(trunk.head, name=head),
         evaluation=replace(
@@ -315,6 +343,11 @@ def converged(stop_reason: str, valid_ppls: list[float]) -> bool:
     return (before - best_after) / before < CONVERGED_IMPROVEMENT
 
 
+# Model fields added after docs/results/ptb-transformer.csv was recorded, and their defaults
+# (what every recorded cell had): config_sha leaves them out at those defaults.
+ADDED_MODEL_FIELDS = {("transformer", "embedding_features"): None}
+
+
 def config_sha(cell: language_model.Config) -> str:
     """A digest of what makes a cell's result: its config without folders and evaluation.
 
@@ -322,11 +355,16 @@ def config_sha(cell: language_model.Config) -> str:
     ``"model": "transformer"`` and the model's fields under ``"transformer"``) with every other
     model family's group at its defaults, as when each config held both (the digests in
     docs/results/ stay valid); the head's options only those it takes; no ``out_dir``,
-    ``evaluation``, ``data.data_dir`` or ``data.tfds_dir``.
+    ``evaluation``, ``data.data_dir`` or ``data.tfds_dir``; a model field added since the grid
+    ran left out at its default (:data:`ADDED_MODEL_FIELDS`), so that it changes no digest of a
+    config that does not use it.
     """
     tree = to_jsonable(cell)
     for model in language_model.MODELS:
         tree.setdefault(model.family, to_jsonable(model()))
+    for (family, name), default in ADDED_MODEL_FIELDS.items():
+        if tree[family].get(name, default) == default:
+            tree[family].pop(name, None)
     tree.pop("out_dir")
     tree.pop("evaluation")
     # Only the options the head takes: a softmax cell is the same whatever K the mixtures use.
@@ -654,8 +692,9 @@ def title(config: Config, rows: list[dict[str, Any]]) -> str:
     """The results page's title, ending in "partial" while cells are pending."""
     trunk = config.trunk
     partial = " — partial" if any(r["status"] == "pending" for r in rows) else ""
+    fixed = " (fixed trunk: decoder E Q)" if config.embedding == "fixed" else ""
     return (
-        f"LM study: {trunk.model.family} on {trunk.data.corpus} "
+        f"LM study: {trunk.model.family}{fixed} on {trunk.data.corpus} "
         f"({trunk.data.vocab_size or 'all'} words), heads x d x seeds {list(config.seeds)}{partial}"
     )
 

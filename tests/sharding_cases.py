@@ -211,6 +211,59 @@ def synthetic_case(mesh_spec: str) -> float:
     return _max_deviation(sharded, train(None))
 
 
+def fixed_trunk_case(mesh_spec: str) -> float:
+    """A Transformer with its trunk fixed across d (``embedding_features``: the head decodes with
+    ``E Q``, the table split on ``vocab``, ``Q`` replicated): the same parameters, loss and
+    gradients as on one device (the table's padding rows zero, and zero in the gradient)."""
+
+    def build():
+        return nn.Transformer(
+            VOCAB_SIZE, d_model=DIM, num_layers=1, num_heads=2, max_len=8, head_features=4,
+            embedding_features=DIM, rngs=nnx.Rngs(0),
+        )  # fmt: skip
+
+    def loss_and_grads(model, x):
+        graphdef, state = nnx.split(model, nnx.Param)
+
+        def loss(state):
+            return nnx.merge(graphdef, state).objective(x[:, :-1], x[:, 1:])[0]
+
+        value, grads = jax.jit(jax.value_and_grad(loss))(state)
+        return value, {path: v.get_value() for path, v in nnx.to_flat_state(grads)}
+
+    mesh = make_mesh(mesh_spec)
+    with jax.set_mesh(mesh):
+        sharded = build()
+    single = build()
+    table, projection = sharded.head.decoder.table, sharded.head.decoder.projection
+    if table is not sharded.embedding.embedding:
+        return _failed("fixed trunk: the decoder's table is not the input embedding")
+    if "vocab=" in mesh_spec and table.get_value().sharding.is_fully_replicated:
+        return _failed("fixed trunk: the tied table is not split on vocab")
+    if not projection.get_value().sharding.is_fully_replicated:
+        return _failed("fixed trunk: Q is not replicated")
+    for (path, got), (_, want) in zip(
+        nnx.to_flat_state(nnx.state(sharded, nnx.Param)),
+        nnx.to_flat_state(nnx.state(single, nnx.Param)),
+        strict=True,
+    ):
+        if not np.array_equal(np.asarray(got.get_value())[: want.shape[0]], want.get_value()):
+            return _failed(f"fixed trunk: the mesh changed the parameter {path}")
+    x = jax.random.randint(jax.random.key(2), (8, 8), 0, VOCAB_SIZE)
+    want_loss, want_grads = loss_and_grads(single, x)
+    with jax.set_mesh(mesh):
+        got_loss, got_grads = loss_and_grads(sharded, shard_batch(x, mesh))
+    deviations = [abs(float(got_loss - want_loss))]
+    for path, want in want_grads.items():
+        got = np.asarray(got_grads[path])
+        if got.shape != want.shape:  # rows per vocabulary id, padded for the mesh
+            if np.any(got[VOCAB_SIZE:]):
+                return _failed(f"fixed trunk: padding rows of {path} have a gradient")
+            got = got[:VOCAB_SIZE]
+        deviations.append(float(np.max(np.abs(got - np.asarray(want)))))
+    return max(deviations)
+
+
 def bad_shapes_case() -> float:
     """A sharded head refuses labels that do not match h (0.0: it did, with a clear message)."""
     with jax.set_mesh(make_mesh("data=8")):
@@ -336,6 +389,7 @@ def main() -> None:
 
             results[f"head:{name}:{mesh_spec}"] = head_case(build, mesh_spec)
         results[f"synthetic:{mesh_spec}"] = synthetic_case(mesh_spec)
+        results[f"fixed_trunk:{mesh_spec}"] = fixed_trunk_case(mesh_spec)
     results["errors:bad_shapes"] = bad_shapes_case()
     results["errors:bad_labels:data=2,vocab=4"] = bad_labels_case("data=2,vocab=4")
     results["errors:data_divides"] = data_divides_case()

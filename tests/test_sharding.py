@@ -47,6 +47,7 @@ CASES = [f"compose:{combo}:data=2,vocab=4" for combo in PAIRWISE_COMBOS]
 PRESET_HEADS = ("softmax", "mos_plif", "mixtape", "mixtape_shared", "mos_linear")
 CASES += [f"head:{name}:{mesh}" for mesh in MESHES for name in PRESET_HEADS]
 CASES += [f"synthetic:{mesh}" for mesh in MESHES]
+CASES += [f"fixed_trunk:{mesh}" for mesh in MESHES]  # a Transformer's decoder E Q (issue #48)
 CASES += ["errors:bad_shapes", "errors:bad_labels:data=2,vocab=4", "errors:data_divides"]
 CASES += ["checkpoint:data=2,vocab=4"]  # saved sharded, restored onto the same shardings
 MEMORY_CASES = [f"memory:{combo}:data=2,vocab=4" for combo in PAIRWISE_COMBOS]

@@ -125,6 +125,68 @@ def padded_rows_init(init: Callable[..., jax.Array], num_rows: int) -> Callable[
     return padded
 
 
+class ProjectedEmbedding(nnx.Module):
+    r"""A tied decoder read through a learned map: ``W = E Q`` ``[rows, d']``.
+
+    ``E [rows, e]`` is an input embedding's table, shared and not copied (it trains as the
+    embedding and as the decoder), ``Q [e, d']`` a learned map drawn ``N(0, 1 / e)``: with
+    ``E``'s entries i.i.d. of variance ``s^2``, ``Var (E Q)_{mj} = e s^2 / e = s^2``, so the
+    decoder starts at the table's own scale whatever ``e`` and ``d'``. As a head's
+    ``tied_embedding`` it is the head's decoder: the logits ``W h + b = E (Q h) + b`` keep a
+    softmax head's rank ``<= d' + 1`` while the table may be wider than ``d'`` (weight tying with
+    a table of the model's input width, not the bottleneck's; :class:`bottleneck.nn.Transformer`'s
+    ``embedding_features``).
+
+    Reading it reads the product: ``decoder[...]`` is ``E Q`` ``[rows, d']`` (in the parameters'
+    dtype) and ``decoder.shape`` is ``(rows, d')``, so whatever reads a head's ``decoder`` reads
+    ``W``. Each read multiplies again (``rows e d'`` multiply-adds, ``e / C`` of a chunk of ``C``
+    tokens' logits). On a mesh the table keeps its split on ``vocab`` and ``Q`` (no annotation)
+    is replicated, so each device's product is its rows of ``W``, split like a decoder.
+
+    Args:
+      embedding: an ``nnx.Embed`` or its ``[rows, e]`` ``nnx.Param`` table.
+      features: ``d'``, the decoder's width.
+      rngs: NNX random streams (``params``) for ``Q``.
+      param_dtype: ``Q``'s dtype.
+    """
+
+    def __init__(
+        self,
+        embedding: nnx.Embed | nnx.Param,
+        features: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+    ):
+        features = require_int("features", features, 1)
+        table = embedding.embedding if isinstance(embedding, nnx.Embed) else embedding
+        if jnp.ndim(table) != 2:
+            raise ValueError(f"embedding must be a [rows, e] table, got shape {jnp.shape(table)}")
+        width = table.shape[1]
+        self.table = table
+        self.projection = nnx.Param(
+            nnx.initializers.normal(stddev=width**-0.5)(
+                rngs.params(), (width, features), param_dtype
+            )
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.table.shape[0], self.projection.shape[1])
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.result_type(self.table.dtype, self.projection.dtype)
+
+    def __getitem__(self, index: Any) -> jax.Array:
+        """``(E Q)[index]``: ``decoder[...]`` is the whole ``[rows, d']`` decoder."""
+        return jnp.matmul(self.table[...], self.projection[...])[index]
+
+
 class OutputHead(nnx.Module):
     r"""An output head composed of a pointwise map, a normalizer and an optional mixture.
 
@@ -175,7 +237,8 @@ class OutputHead(nnx.Module):
       latent_features: ``d'``, width of each ``h_k`` and of the decoder (default ``d``;
         mixtures only).
       tied_embedding: an ``nnx.Embed`` (or its ``[M, d']`` ``nnx.Param``) whose table is used
-        as the decoder ``W`` (weight tying, Press & Wolf 2017; Merity et al.).
+        as the decoder ``W`` (weight tying, Press & Wolf 2017; Merity et al.), or a
+        :class:`ProjectedEmbedding`, a wider table ``E`` read as ``W = E Q``.
       use_bias: learn an output bias ``b`` ``[M]`` (zeros at init).
       memory_budget: bytes one chunk of :meth:`loss` may use.
       param_dtype: dtype of the parameters; logits and reductions are float32 regardless.
@@ -212,7 +275,7 @@ class OutputHead(nnx.Module):
         num_components: int = 1,
         latent_features: int | None = None,
         latent: str | Callable[[jax.Array], jax.Array] = "tanh",
-        tied_embedding: nnx.Embed | nnx.Param | None = None,
+        tied_embedding: nnx.Embed | nnx.Param | ProjectedEmbedding | None = None,
         use_bias: bool = True,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         param_dtype: Any = jnp.float32,
@@ -274,7 +337,8 @@ class OutputHead(nnx.Module):
                     f"tied_embedding must have shape [padded_vocab_size, {self.latent_features}] "
                     f"= {(rows, self.latent_features)}, got {table.shape}"
                 )
-            split_rows_by_vocab(table)  # the shared table lives split like the decoder
+            # the shared table lives split like the decoder (E Q: E, and Q replicated)
+            split_rows_by_vocab(table.table if isinstance(table, ProjectedEmbedding) else table)
             self.decoder = table
         self.bias = (
             nnx.Param(jnp.zeros((rows,), param_dtype), **vocab_rows_metadata(1))

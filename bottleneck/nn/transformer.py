@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bottleneck.nn.awd_lstm import inverted_dropout_masks, time_mask
-from bottleneck.nn.heads import OutputHead, padded_rows_init
+from bottleneck.nn.heads import OutputHead, ProjectedEmbedding, padded_rows_init
 from bottleneck.nn.presets import is_mixture_preset, make_head
 from bottleneck.sharding import padded_vocab_size
 
@@ -314,6 +314,20 @@ class Transformer(nnx.Module):
     normed features. Every cell of a study over ``d`` then shares the same trunk, and differs only
     in ``d`` and the projections' sizes.
 
+    That factorized table sizes the input embedding by ``d`` too, so the trunk's input (and the
+    parameter count) changes with ``d``. ``embedding_features = e`` fixes it instead: the table
+    is ``E [M, e]`` at every ``d`` (projected to ``d_model`` by ``P_in`` unless ``e = d_model``,
+    where it enters the residual stream as in the unfactorized model), and with tied weights the
+    head decodes with ``W = E Q`` (:class:`~bottleneck.nn.heads.ProjectedEmbedding`), ``Q`` a
+    learned ``[e, d]`` map. Everything but ``P_out``, ``Q`` and the head's own parameters is then
+    the same at every ``d``; weight tying (a strong regularizer on small corpora, Press & Wolf
+    2017) is kept, and a softmax head's logits ``W h + b = E (Q h) + b`` still have rank
+    ``<= d + 1``. ``Q`` is drawn ``N(0, 1 / e)``, so the decoder's entries start with the table's
+    ``N(0, 0.02^2)`` scale in expectation, the scale of today's tied decoders (the factorized
+    ``d``-wide table and the unfactorized one alike). The alternatives change more than the
+    bottleneck: an untied decoder ``[M, d]`` gives up tying, and ``W = E`` at ``e = d`` is the
+    factorized model.
+
     Args:
       vocab_size: ``M``.
       d_model: width of the residual stream (and of the embedding and the head's input unless
@@ -338,6 +352,9 @@ class Transformer(nnx.Module):
       tie_weights: share the token embedding with the head's decoder (Press & Wolf 2017).
       head_features: ``d``, the head's input width behind learned projections (see above);
         ``None``: the head reads the ``d_model``-wide features directly.
+      embedding_features: ``e``, the input table's width whatever ``head_features`` is (see
+        above); tied, the head decodes with ``E Q``. ``None``: the table is ``d_model`` wide, or
+        ``d`` wide (factorized) with ``head_features`` and ``tie_weights``.
       param_dtype: dtype of the parameters; projections compute in it, while norms, attention
         softmax, the residual stream and the head's logits stay float32.
       rngs: NNX random streams (``params``) for the initialisation.
@@ -363,6 +380,7 @@ class Transformer(nnx.Module):
         head: str | Callable[..., OutputHead] = "softmax",
         tie_weights: bool = True,
         head_features: int | None = None,
+        embedding_features: int | None = None,
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
         **head_options: Any,
@@ -370,6 +388,8 @@ class Transformer(nnx.Module):
         d_ff = 4 * d_model if d_ff is None else d_ff
         if head_features is not None and head_features < 1:
             raise ValueError(f"head_features must be >= 1 or None, got {head_features}")
+        if embedding_features is not None and embedding_features < 1:
+            raise ValueError(f"embedding_features must be >= 1 or None, got {embedding_features}")
         for name, value in (
             ("vocab_size", vocab_size),
             ("d_model", d_model),
@@ -410,8 +430,14 @@ class Transformer(nnx.Module):
         self.attention_dropout = attention_dropout
         dtype = {"param_dtype": param_dtype, "rngs": rngs}
         head_width = d_model if head_features is None else head_features
-        factorized = head_features is not None and tie_weights
-        embedding_width = head_width if factorized else d_model
+        # The table: e wide at every d (the trunk does not change with d), d wide when tied at
+        # head_features without it (factorized: P_in at every d), else d_model wide.
+        factorized = embedding_features is None and head_features is not None and tie_weights
+        if embedding_features is not None:
+            embedding_width = embedding_features
+        else:
+            embedding_width = head_width if factorized else d_model
+        projected_input = factorized or embedding_width != d_model  # P_in: table -> d_model
         # On a vocabulary-parallel mesh the table has the head's padded rows (zeros, never read).
         self.embedding = nnx.Embed(
             padded_vocab_size(vocab_size),
@@ -420,7 +446,7 @@ class Transformer(nnx.Module):
             **dtype,
         )
         self.embedding_projection = (
-            _projection(embedding_width, d_model, **dtype) if factorized else None
+            _projection(embedding_width, d_model, **dtype) if projected_input else None
         )
         self.head_projection = (
             None if head_features is None else _projection(d_model, head_features, **dtype)
@@ -445,7 +471,14 @@ class Transformer(nnx.Module):
             ]
         )
         self.final_norm = _norm(norm, d_model, **dtype)
-        tied = {"tied_embedding": self.embedding} if tie_weights else {}
+        tied: dict[str, Any] = {}
+        if tie_weights and embedding_features is None:
+            tied = {"tied_embedding": self.embedding}
+        elif tie_weights:  # the decoder is E Q, Q [e, the decoder's width]
+            width = head_width
+            if not callable(head) and is_mixture_preset(head):
+                width = head_options.get("latent_features", head_width)
+            tied = {"tied_embedding": ProjectedEmbedding(self.embedding, width, **dtype)}
         if callable(head):  # a composition of the user's
             if head_options:
                 raise ValueError(

@@ -442,3 +442,31 @@ def test_configs_check_themselves_when_replaced():
         dataclasses.replace(config, optimizer=language_model.OptimizerConfig())
     with pytest.raises(ValueError, match="dropoutl > 0 needs a mixture head"):
         language_model.Config(model=language_model.AWDLSTMConfig(dropoutl=0.1))
+
+
+def test_embedding_features_fix_the_transformers_trunk_and_old_folders_still_resume(
+    tmp_path, capsys
+):
+    from bottleneck.nn.heads import ProjectedEmbedding
+    from bottleneck.train.run_folder import RunFolderError, check_resumable, to_jsonable
+
+    argv = [*TRANSFORMER, "--head_features", "4", "--out_dir", str(tmp_path)]
+    config = parse_config(
+        language_model.Config, language_model.PRESETS, [*argv, "--embedding_features", "8"]
+    )
+    assert config.model.embedding_features == 8 == config.model.d_model
+    model = language_model.build_model(config, 12).model
+    assert isinstance(model.head.decoder, ProjectedEmbedding)
+    assert model.head.decoder.shape == (12, 4) and model.embedding.embedding.shape == (12, 8)
+    # A folder recorded before the field existed is the run without it, and only that one.
+    old = parse_config(language_model.Config, language_model.PRESETS, argv)
+    record = to_jsonable(old)
+    del record["transformer"]["embedding_features"]
+    (tmp_path / "config.json").write_text(json.dumps({"config": record}))
+    check_resumable(tmp_path, old)
+    with pytest.raises(RunFolderError, match="transformer.embedding_features: None -> 8"):
+        check_resumable(tmp_path, config)
+    with pytest.raises(SystemExit):
+        language_model.main([*TRANSFORMER, "--help"])
+    text = capsys.readouterr().out
+    assert "--embedding_features {None}|INT, --model.embedding_features {None}|INT" in text

@@ -494,3 +494,27 @@ def test_report_gives_intervals_holm_power_trend_and_device_crossings():
     assert f"{trend['slope']:+.2f}" in text
     grid = lm_study.gains_by_d(table, config, decimals=1)
     assert grid[2]["d = 32"].endswith("(3/3)†") and not grid[2]["d = 16"].endswith("†")
+
+
+def test_the_fixed_embedding_keeps_the_trunk_across_d_under_digests_of_its_own(capsys):
+    fixed = parse_config(lm_study.Config, lm_study.PRESETS, ["--embedding", "fixed"])
+    factorized = parse_config(lm_study.Config, lm_study.PRESETS, [])
+    assert factorized.embedding == "factorized"
+    for d in fixed.ds:
+        cell = lm_study.cell_config(fixed, "softmax", d, 1)
+        assert (cell.model.head_features, cell.model.embedding_features) == (d, 128)
+        old = lm_study.cell_config(factorized, "softmax", d, 1)
+        assert old.model.embedding_features is None
+        assert lm_study.config_sha(cell) != lm_study.config_sha(old)
+    narrow = parse_config(
+        lm_study.Config, lm_study.PRESETS, ["--embedding", "fixed", "--embedding_features", "64"]
+    )
+    assert lm_study.cell_config(narrow, "mos", 16, 1).model.embedding_features == 64
+    assert "(fixed trunk: decoder E Q)" in lm_study.title(fixed, [])
+    for argv, message in [
+        (["--embedding_features", "64"], "give it with --embedding fixed"),
+        (["--preset", "awd-smoke", "--embedding", "fixed"], "is a Transformer's"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_config(lm_study.Config, lm_study.PRESETS, argv)
+        assert message in capsys.readouterr().err

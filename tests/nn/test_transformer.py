@@ -297,12 +297,18 @@ def test_head_features_put_the_bottleneck_behind_the_same_trunk(head):
         k: v.shape for k, v in nnx.to_flat_state(nnx.state(m.blocks, nnx.Param))
     }
     assert trunk(narrow) == trunk(wide)
+    check_the_bottleneck(narrow, head, d)
+
+
+def check_the_bottleneck(model, head, d):
+    """Over 96 contexts a softmax head's log-probs have rank <= d + 2 (its output bias), a
+    mixture's more; the chunked loss is their cross-entropy, through the projection."""
     x = tokens((6, MAX_LEN), seed=4)
     y = tokens((6, MAX_LEN), seed=5)
     where = np.ones(y.shape, bool)
     # One compile, not op-by-op dispatch.
     full, nll = jit_model(lambda m, x, y, where: (m(x), m.nll(m.features(x), y, where)))(
-        narrow, x, y, where
+        model, x, y, where
     )
     log_probs = full.reshape(-1, V)
     np.testing.assert_allclose(jnp.sum(jnp.exp(log_probs), -1), 1.0, rtol=1e-5)
@@ -311,7 +317,6 @@ def test_head_features_put_the_bottleneck_behind_the_same_trunk(head):
         assert rank <= d + 2
     else:
         assert rank > d + 2  # the mixture breaks the bottleneck of its d-wide input
-    # The chunked loss is the full log-probs' cross-entropy, through the projection.
     np.testing.assert_allclose(nll, bn.cross_entropy(full, y), rtol=1e-5)
 
 
@@ -321,3 +326,92 @@ def test_untied_head_features_keep_a_full_width_embedding():
     assert model.head.decoder.shape[-1] == 4 and model.head_projection is not None
     with pytest.raises(ValueError, match="head_features must be >= 1"):
         build(head_features=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trunk fixed across d: embedding_features (issue #48)
+
+
+def _params(model, outside=("head", "head_projection")):
+    """Parameter shapes by path, leaving out those under ``outside`` (the head: its Q too)."""
+    state = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {path: v.shape for path, v in state if path[0] not in outside}
+
+
+def test_embedding_features_fix_the_trunk_whatever_d():
+    """The study's shapes (M = 10,000, width 128, 2 layers), abstract: at d = 16 and 64 every
+    parameter outside the head (its decoder map Q included) and P_out is the same, and it is the
+    trunk of the model without a bottleneck; the factorized table changes it with d."""
+    sizes = {"d_model": 128, "num_layers": 2, "num_heads": 4, "d_ff": 512, "max_len": 128}
+
+    def study(**options):
+        return nnx.eval_shape(lambda: Transformer(10_000, rngs=nnx.Rngs(0), **sizes, **options))
+
+    fixed = {d: study(head_features=d, embedding_features=128) for d in (16, 64)}
+    assert _params(fixed[16]) == _params(fixed[64]) == _params(study())
+    assert fixed[16].embedding_projection is None  # e = d_model: the table enters as it is
+    for d, model in fixed.items():
+        assert model.head.decoder.shape == (10_000, d)
+        assert model.head.decoder.projection.shape == (128, d)
+        assert model.head.decoder.table is model.embedding.embedding
+    # Only P_out [128, d] and Q [128, d] grow with d.
+    count = lambda m: sum(v.size for v in jax.tree.leaves(nnx.state(m, nnx.Param)))  # noqa: E731
+    assert count(fixed[64]) - count(fixed[16]) == 2 * 128 * (64 - 16)
+    factorized = {d: study(head_features=d) for d in (16, 64)}
+    assert _params(factorized[16]) != _params(factorized[64])
+    # A table of another width reaches the trunk through P_in, still the same at every d.
+    narrow = {d: study(head_features=d, embedding_features=64) for d in (16, 32)}
+    assert _params(narrow[16]) == _params(narrow[32])
+    assert narrow[16].embedding_projection.kernel.shape == (64, 128)
+
+
+@pytest.mark.parametrize("head", ["softmax", "mos", "mixtape"])
+def test_the_fixed_trunks_head_keeps_its_bottleneck(head):
+    d = 3  # a softmax head's log-probs have rank <= d + 2 (its output bias), the mixtures' more
+    options = {} if head == "softmax" else {"num_components": 2}
+    model = build(head=head, head_features=d, embedding_features=D, **options)
+    assert model.head.decoder.table is model.embedding.embedding
+    check_the_bottleneck(model, head, d)
+
+
+def test_the_fixed_trunks_decoder_is_e_q_and_both_train():
+    d = 4
+    model = build(head_features=d, embedding_features=D)
+    decoder = model.head.decoder
+    table = np.asarray(model.embedding.embedding[...], np.float64)
+    q = np.asarray(decoder.projection[...], np.float64)
+    w = table @ q
+    np.testing.assert_allclose(decoder[...], w, rtol=1e-5, atol=1e-7)
+    # Q ~ N(0, 1 / e): the decoder's entries keep the table's N(0, 0.02^2) scale.
+    assert 0.8 < np.std(q) * np.sqrt(D) < 1.2
+    assert 0.8 * 0.02 < np.std(w) < 1.2 * 0.02
+    # The head's gradient reaches E and Q by the chain rule through W = E Q: dE = dW Q^T and
+    # dQ = E^T dW, with dW the gradient of a plain head holding W itself.
+    keys = jax.random.split(jax.random.key(3))
+    h = jax.random.normal(keys[0], (20, d))
+    labels = jax.random.randint(keys[1], (20,), 0, V)
+
+    def head_grads(head):
+        graphdef, state = nnx.split(head, nnx.Param)
+        return nnx.to_pure_dict(jax.grad(lambda s: nnx.merge(graphdef, s).loss(h, labels))(state))
+
+    plain = nn.OutputHead(d, V, rngs=nnx.Rngs(0), tied_embedding=nnx.Param(decoder[...]))
+    grad_w = np.asarray(head_grads(plain)["decoder"], np.float64)
+    grads = head_grads(model.head)["decoder"]
+    for got, want in ((grads["table"], grad_w @ q.T), (grads["projection"], table.T @ grad_w)):
+        assert np.abs(want).max() > 0
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    # In the whole model the table is also the input embedding: one parameter, both uses.
+    graphdef, params = nnx.split(model, nnx.Param)
+    params["embedding"]["embedding"] = nnx.Param(params["embedding"]["embedding"][...] + 1.0)
+    merged = nnx.merge(graphdef, params)
+    np.testing.assert_allclose(merged.head.decoder.table[...], table + 1.0, rtol=1e-6)
+
+
+def test_embedding_features_untied_and_bad():
+    model = build(head_features=4, embedding_features=8, tie_weights=False)
+    assert model.embedding.embedding.shape[-1] == 8
+    assert model.embedding_projection.kernel.shape == (8, D)
+    assert model.head.decoder.shape == (V, 4) and isinstance(model.head.decoder, nnx.Param)
+    with pytest.raises(ValueError, match="embedding_features must be >= 1"):
+        build(embedding_features=0)
