@@ -1,5 +1,6 @@
 import json
 import pathlib
+import re
 
 import chex
 import jax
@@ -324,6 +325,39 @@ def test_bfloat16_parameters_accumulate_in_float32():
 def test_bad_construction_raises(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize(
+    "pointwise",
+    [
+        lambda z: -z,
+        lambda z: -1e-4 * z,  # slightly: still a reversed ranking
+        lambda z: z - 2.0 * jnp.sin(z),  # decreasing near 0 only
+        lambda z: z * jnp.linspace(-1.0, 1.0, M),  # per-token: decreasing for some tokens
+    ],
+)
+def test_a_decreasing_pointwise_map_is_refused(pointwise):
+    with pytest.raises(ValueError, match="pointwise must be increasing") as error:
+        nn.OutputHead(D, M, rngs=nnx.Rngs(0), pointwise=pointwise)
+    assert re.search(r"f\(-?[\d.]+\) = \S+ > f\(-?[\d.]+\) = ", str(error.value))
+    with pytest.raises(ValueError, match="pointwise must be increasing"):
+        nn.MixtapeHead(D, M, rngs=nnx.Rngs(0), pointwise=pointwise)
+
+
+@pytest.mark.parametrize(
+    "pointwise",
+    [
+        lambda z: z + 0.5 * jnp.tanh(z),
+        jnp.tanh,  # saturates to a constant in float32: non-decreasing is allowed
+        lambda z: z * jnp.linspace(0.5, 2.0, M),  # per-token slopes, all positive
+        lambda z: jnp.exp(z),  # from 1e-28 to 6e27: a steep map is no decrease
+    ],
+)
+def test_increasing_pointwise_maps_are_accepted(pointwise):
+    head = nn.OutputHead(D, M, rngs=nnx.Rngs(0), pointwise=pointwise)
+    assert head.pointwise is pointwise
+    # Built abstractly (no values to probe), nothing is refused or called for real.
+    nnx.eval_shape(lambda: nn.OutputHead(D, M, rngs=nnx.Rngs(0), pointwise=lambda z: -z))
 
 
 @pytest.mark.parametrize(
