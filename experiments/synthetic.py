@@ -81,6 +81,8 @@ class Config(Checked):
         super().__post_init__()
         if not self.heads or not self.dims or not self.alphas or not self.seeds:
             raise ValueError("heads, dims, alphas and seeds must each name at least one value")
+        # Each head's own checks (built abstractly), before a folder is written.
+        nn.check_heads(self.heads, **dataclasses.asdict(self))
 
 
 PRESETS = {

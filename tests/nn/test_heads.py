@@ -388,9 +388,23 @@ def test_increasing_pointwise_maps_are_accepted(pointwise):
     ],
 )
 def test_degenerate_options_are_refused(name, options, message):
-    """Checked when the head is built, naming the option, not when (or if) it misbehaves."""
+    """Checked when the head is built, naming the option, not when (or if) it misbehaves;
+    nn.check_head (what configs and CLIs call, nothing built) refuses the same."""
     with pytest.raises(ValueError, match=message):
         make(name, **options)
+    with pytest.raises(ValueError, match=message):
+        nn.check_head(name, D, M, **options)
+
+
+def test_check_head_draws_no_parameters_and_names_the_presets_option():
+    nn.check_head("plif", num_knots=10**9)  # abstract: 4 GB of slopes are never allocated
+    nn.check_head("mixtape", num_components=4)
+    with pytest.raises(ValueError, match="^plif_noise must be a finite number >= 0"):
+        nn.check_head("plif", plif_noise=-1.0)
+    with pytest.raises(ValueError, match="num_components must be >= 2 for the mixture preset 'mos"):
+        nn.check_heads(("softmax", "plif", "mos"), num_components=1, num_knots=4, num_hidden=0)
+    with pytest.raises(ValueError, match="num_hidden must be >= 1"):
+        nn.check_heads(("monotone_mlp",), num_components=1, num_hidden=0)
 
 
 def test_two_knots_and_two_components_are_accepted():
