@@ -11,7 +11,7 @@ from bottleneck.consequences import (
     jacobian_gradient_ratio,
     unargmaxable_tokens,
 )
-from bottleneck.generation import generate
+from bottleneck.generation import HiddenStateDecoder, generate
 from bottleneck.losses import chunked_cross_entropy, cross_entropy, target_log_probs
 from bottleneck.mixtures import mixture_log_probs
 from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
@@ -39,6 +39,7 @@ __version__ = "0.1.0"
 __distribution__ = "softmax-bottleneck"
 
 __all__ = [
+    "HiddenStateDecoder",
     "bat_keep_mask",
     "chunked_cross_entropy",
     "cross_entropy",

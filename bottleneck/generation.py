@@ -1,10 +1,13 @@
 """Sampling text from a language model: incremental decoding with temperature, top-k and top-p.
 
-:func:`generate` works on any model with the decoding interface of
+:func:`generate` works on any model with the decoding interface :class:`DecodingModel`
+(``vocab_size``, ``init_decode_state``, ``prefill``, ``decode_step``), which
 :class:`~bottleneck.nn.AWDLSTM` (its recurrent state) and :class:`~bottleneck.nn.Transformer`
-(its key-value cache), :class:`DecodingModel`: the prompt is fed once (``prefill``), then each
-new token once (``decode_step``) inside a :func:`jax.lax.scan`, so ``N`` new tokens cost ``N``
-single-token steps, never a re-run of the prefix.
+(its key-value cache) implement: the prompt is fed once (``prefill``), then each new token once
+(``decode_step``) inside a :func:`jax.lax.scan`, so ``N`` new tokens cost ``N`` single-token
+steps, never a re-run of the prefix. A model without that interface, one that maps tokens
+``[B, T]`` to hidden states ``[B, T, d]``, samples through :class:`HiddenStateDecoder` (no
+cache: each step re-runs the model on the whole sequence).
 
 Each token is drawn from the head's log-probabilities ``head(h)`` (a mixture head's are the
 mixture's, a PLIF head's ``log_softmax(f(z))``), reshaped by :func:`sampling_log_probs`:
@@ -16,16 +19,39 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bottleneck._checks import require_int
+
 
 class DecodingModel(Protocol):
-    """What :func:`generate` needs of a model (tokens batch-major, ``[B, ...]``)."""
+    """What :func:`generate` needs of a model (tokens batch-major, ``[B, ...]``).
+
+    Four members; :func:`generate` checks that they exist before it traces anything
+    (:func:`check_decoding_model`), then calls, inside one jitted program (``nnx.jit``: an
+    ``nnx.Module``'s parameters are traced, so write the model as one):
+
+    1. ``state = model.init_decode_state(B, P + N - 1)``: an empty state (a pytree of arrays)
+       for ``B`` sequences of up to ``P + N - 1`` positions (the prompt's ``P`` and every new
+       token but the last, which is never fed back);
+    2. ``log_probs, state = model.prefill(state, prompt)``: the prompt ``[B, P]`` int32 in one
+       pass; ``log_probs [B, M]`` of the token after it;
+    3. ``log_probs, state = model.decode_step(state, token)``, ``N - 1`` times inside a
+       :func:`jax.lax.scan`: one token per sequence ``[B]`` int32; the next ``[B, M]``. The
+       state's shapes and dtypes must not change from step to step.
+
+    ``vocab_size`` is ``M``, read before tracing (it bounds the prompt's ids and ``top_k``).
+    :class:`~bottleneck.nn.Transformer` (a key-value cache) and
+    :class:`~bottleneck.nn.AWDLSTM` (its recurrent state) implement it;
+    :class:`HiddenStateDecoder` implements it for any model that maps tokens to hidden states
+    plus an output head, without a cache.
+    """
 
     vocab_size: int
 
@@ -37,6 +63,178 @@ class DecodingModel(Protocol):
 
     def decode_step(self, state: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
         """Feeds ``tokens [B]``: log-probs ``[B, M]`` of the next token, and the state."""
+
+
+_DECODING_METHODS = ("init_decode_state", "prefill", "decode_step")
+
+
+def check_decoding_model(model: Any) -> int:
+    """``model.vocab_size`` if ``model`` has the :class:`DecodingModel` interface.
+
+    Raises:
+      ValueError: one paragraph naming what ``model`` lacks (a missing or non-callable method,
+        a missing or non-integer ``vocab_size``) and the adapter for a model that maps tokens
+        to hidden states, :class:`HiddenStateDecoder`. Raised before anything is traced.
+    """
+    missing = [name for name in _DECODING_METHODS if not callable(getattr(model, name, None))]
+    vocab_size = getattr(model, "vocab_size", None)
+    try:
+        if isinstance(vocab_size, bool):
+            raise TypeError
+        vocab_size = operator.index(vocab_size)
+        bad_vocab = vocab_size < 1
+    except TypeError:
+        bad_vocab = True
+    if missing or bad_vocab:
+        lacks = [f"a method {name}" for name in missing]
+        if bad_vocab:
+            lacks.insert(0, f"an integer vocab_size >= 1 (it has {vocab_size!r})")
+        raise ValueError(
+            f"model must have the decoding interface bottleneck.generation.DecodingModel "
+            f"(vocab_size, init_decode_state, prefill, decode_step); {type(model).__name__} "
+            f"lacks {', '.join(lacks)}. nn.Transformer and nn.AWDLSTM have it. For a model that "
+            "maps tokens [B, T] to hidden states [B, T, d], wrap it with its output head: "
+            "bn.HiddenStateDecoder(model, head, vocab_size) (no cache: each step re-runs the "
+            "whole sequence; see docs/guides/generation.md)."
+        )
+    return vocab_size
+
+
+class HiddenStateDecodeState(NamedTuple):
+    """:class:`HiddenStateDecoder`'s decoding state: the sequence so far, padded."""
+
+    tokens: jax.Array  # [B, max_len] int32: the fed tokens, then pad_id
+    length: jax.Array  # [] int32: how many tokens have been fed
+
+
+class HiddenStateDecoder(nnx.Module):
+    r"""The :class:`DecodingModel` of a model that maps tokens to hidden states, plus a head.
+
+    For your own language model, written without a cache or a carry: ``model`` maps
+    ``tokens [B, T]`` to hidden states ``[B, T, d]`` and ``head`` maps ``h [B, d]`` to the
+    next token's log-probabilities ``[B, M]`` (an :class:`~bottleneck.nn.OutputHead`, or any
+    callable)::
+
+        decoder = bn.HiddenStateDecoder(trunk, head, vocab_size)
+        tokens = bn.generate(decoder, prompt, 20, key=jax.random.key(0), top_p=0.95)
+
+    No cache: the state is the sequence so far in a buffer of the ``L = P + N - 1`` positions
+    :func:`generate` asks for (the rest ``pad_id``), and ``prefill`` and each ``decode_step``
+    run ``model`` on the whole buffer and read the hidden state at the last fed position. The
+    shapes never change, so the decoding loop compiles once (per ``B``, ``L``); the cost is
+    ``N`` runs of the model over ``L`` positions, ``O(N L)`` token-positions (``O(T^2)`` in the
+    sequence length ``T``, and an attention model's ``O(N L^2)``) where a cached decoder does
+    ``O(L)``: fine for short samples and small models, the price of not writing a cache.
+
+    ``model`` must be causal (the hidden state at ``t`` depends on ``tokens[:, :t + 1]``
+    only): the padding after the last fed token is then never seen. It is called as it is,
+    so switch its dropout off first (``model.eval()``). ``model`` and ``head`` as
+    ``nnx.Module`` s have their parameters traced by the jitted loop; plain callables are
+    compiled in as constants.
+
+    Args:
+      model: ``tokens [B, T] int32 -> [B, T, d]``, causal.
+      head: ``h [B, d] -> [B, M]`` log-probabilities.
+      vocab_size: ``M >= 1``, the head's width.
+      max_len: the most positions ``model`` takes (a position table's size), or ``None`` (no
+        limit): :func:`generate` refuses ``P + N - 1`` beyond it before tracing.
+      pad_id: the id in the positions not fed yet, in ``[0, M)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, bottleneck as bn
+      >>> from flax import nnx
+      >>> from bottleneck import nn
+      >>> class Trunk(nnx.Module):  # causal: a running mean of the embeddings
+      ...     def __init__(self, rngs):
+      ...         self.embed = nnx.Embed(50, 8, rngs=rngs)
+      ...     def __call__(self, tokens):
+      ...         x = self.embed(tokens)
+      ...         return jnp.cumsum(x, 1) / jnp.arange(1, x.shape[1] + 1)[:, None]
+      >>> rngs = nnx.Rngs(0)
+      >>> decoder = bn.HiddenStateDecoder(Trunk(rngs), nn.OutputHead(8, 50, rngs=rngs), 50)
+      >>> bn.generate(decoder, jnp.array([[1, 2, 3]]), 5, key=jax.random.key(0)).shape
+      (1, 5)
+    """
+
+    def __init__(
+        self,
+        model: Callable[[jax.Array], jax.Array],
+        head: Callable[[jax.Array], jax.Array],
+        vocab_size: int,
+        *,
+        max_len: int | None = None,
+        pad_id: int = 0,
+    ):
+        if not callable(model):
+            raise ValueError(f"model must be callable, tokens [B, T] -> [B, T, d], got {model!r}")
+        if not callable(head):
+            raise ValueError(f"head must be callable, h [B, d] -> [B, M], got {head!r}")
+        self.vocab_size = require_int("vocab_size", vocab_size, 1)
+        self.max_len = None if max_len is None else require_int("max_len", max_len, 1)
+        self.pad_id = require_int("pad_id", pad_id, 0)
+        if self.pad_id >= self.vocab_size:
+            raise ValueError(f"pad_id must be in [0, {self.vocab_size}), got {pad_id}")
+        self.model = model
+        self.head = head
+
+    def init_decode_state(self, batch_size: int, max_len: int) -> HiddenStateDecodeState:
+        """An empty sequence buffer ``[batch_size, max_len]`` (all ``pad_id``)."""
+        batch_size = require_int("batch_size", batch_size, 1)
+        max_len = require_int("max_len", max_len, 1)
+        if self.max_len is not None and max_len > self.max_len:
+            raise ValueError(
+                f"max_len must be in [1, {self.max_len}] (the model's max_len), got {max_len}"
+            )
+        return HiddenStateDecodeState(
+            jnp.full((batch_size, max_len), self.pad_id, jnp.int32), jnp.zeros((), jnp.int32)
+        )
+
+    def _extend(
+        self, state: HiddenStateDecodeState, tokens: jax.Array
+    ) -> tuple[jax.Array, HiddenStateDecodeState]:
+        """Appends ``tokens [B, T]``; the log-probs ``[B, M]`` of the token after them."""
+        batch, capacity = state.tokens.shape
+        if jnp.ndim(tokens) != 2 or tokens.shape[0] != batch or not 1 <= tokens.shape[1]:
+            raise ValueError(f"tokens must have shape [{batch}, T], got {jnp.shape(tokens)}")
+        if tokens.shape[1] > capacity:
+            raise ValueError(
+                f"tokens has {tokens.shape[1]} steps, more than the state's capacity ({capacity})"
+            )
+        buffer = jax.lax.dynamic_update_slice(
+            state.tokens, tokens.astype(jnp.int32), (jnp.zeros((), jnp.int32), state.length)
+        )
+        length = state.length + tokens.shape[1]
+        hidden = self.model(buffer)
+        if jnp.ndim(hidden) != 3 or hidden.shape[:2] != (batch, capacity):
+            raise ValueError(
+                f"model must map tokens [B, T] = {(batch, capacity)} to hidden states "
+                f"[B, T, d], got shape {jnp.shape(hidden)}"
+            )
+        last = jax.lax.dynamic_index_in_dim(hidden, length - 1, axis=1, keepdims=False)
+        log_probs = self.head(last)
+        if jnp.shape(log_probs) != (batch, self.vocab_size):
+            raise ValueError(
+                f"head must map h [B, d] to log-probabilities [B, vocab_size] = "
+                f"{(batch, self.vocab_size)}, got shape {jnp.shape(log_probs)}"
+            )
+        # A traced length past the buffer would overwrite its last slots (dynamic_update_slice
+        # clamps): NaN instead, as the Transformer's cache does.
+        log_probs = jnp.where(length <= capacity, log_probs, jnp.nan)
+        return log_probs, HiddenStateDecodeState(buffer, length)
+
+    def prefill(
+        self, state: HiddenStateDecodeState, tokens: jax.Array
+    ) -> tuple[jax.Array, HiddenStateDecodeState]:
+        """Feeds ``tokens [B, P]``: the next token's log-probs ``[B, M]`` and the state."""
+        return self._extend(state, tokens)
+
+    def decode_step(
+        self, state: HiddenStateDecodeState, tokens: jax.Array
+    ) -> tuple[jax.Array, HiddenStateDecodeState]:
+        """Feeds ``tokens [B]``: the next token's log-probs ``[B, M]`` and the state."""
+        if jnp.ndim(tokens) != 1:
+            raise ValueError(f"tokens must have shape [B], got {jnp.shape(tokens)}")
+        return self._extend(state, tokens[:, None])
 
 
 def _check_sampling(
@@ -200,7 +398,9 @@ def generate(
 
     Args:
       model: a :class:`DecodingModel` (:class:`~bottleneck.nn.AWDLSTM`,
-        :class:`~bottleneck.nn.Transformer`).
+        :class:`~bottleneck.nn.Transformer`, or any model that maps tokens to hidden states
+        wrapped with its head in a :class:`HiddenStateDecoder`); checked before tracing, a
+        ``ValueError`` naming what it lacks.
       prompt_tokens: ``[B, P]`` integer ids in ``[0, M)``, ``B, P >= 1``; concrete (not traced).
         A Transformer needs ``P + num_tokens - 1 <= max_len``.
       num_tokens: ``N >= 1`` tokens to sample per prompt.
@@ -218,7 +418,7 @@ def generate(
     Returns:
       ``[B, N]`` int32 sampled ids (the prompt not included).
     """
-    vocab_size = model.vocab_size
+    vocab_size = check_decoding_model(model)
     temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, vocab_size)
     try:
         if isinstance(num_tokens, bool):

@@ -28,12 +28,20 @@ def _inverse_softplus(y: float) -> float:
     return math.log(math.expm1(y))
 
 
+# Why a PLIF needs two knots (nn.PLIF's, bn.plif's and bn.plif_init's message).
+ONE_KNOT = (
+    " (one knot makes the PLIF affine, f(z) = s z + c: a softmax with a learned temperature, "
+    "not a nonlinear map)"
+)
+
+
 def _check_plif_args(x: jax.Array, raw_slopes: jax.Array, bound: float) -> None:
     require_float("x", x)
     require_float("raw_slopes", raw_slopes)
-    if jnp.ndim(raw_slopes) != 1 or jnp.shape(raw_slopes)[0] < 1:
+    if jnp.ndim(raw_slopes) != 1 or jnp.shape(raw_slopes)[0] < 2:
         raise ValueError(
-            f"raw_slopes must have shape [num_knots] with num_knots >= 1, got {jnp.shape(raw_slopes)}"
+            f"raw_slopes must have shape [num_knots] with num_knots >= 2{ONE_KNOT}, got "
+            f"{jnp.shape(raw_slopes)}"
         )
     if not 0 < bound < math.inf:  # inf would make the knot spacing inf and every value NaN
         raise ValueError(f"bound must be finite and > 0, got {bound}")
@@ -161,7 +169,7 @@ def plif(x: jax.Array, raw_slopes: jax.Array, bound: float = 20.0) -> jax.Array:
 
     Args:
       x: floating array of any shape (typically logits ``[..., vocab]``).
-      raw_slopes: ``[K]`` unconstrained slopes; see :func:`plif_init`.
+      raw_slopes: ``[K]`` unconstrained slopes, ``K >= 2``; see :func:`plif_init`.
       bound: ``T > 0``, half-width of the knot range (20 in the paper).
 
     Returns:
@@ -180,13 +188,13 @@ def plif(x: jax.Array, raw_slopes: jax.Array, bound: float = 20.0) -> jax.Array:
 
 
 def plif_init(key: jax.Array, num_knots: int, noise: float = 0.0) -> jax.Array:
-    """Raw PLIF slopes ``softplus^{-1}(1) + noise * N(0, 1)``, shape ``[num_knots]``, float32.
+    """Raw PLIF slopes ``softplus^{-1}(1) + noise * N(0, 1)``, shape ``[num_knots >= 2]``, float32.
 
     With ``noise = 0`` the PLIF is exactly the identity, so a PLIF head starts as plain softmax.
     The authors use K = 10^5 knots and optionally unit noise.
     """
-    if num_knots < 1:
-        raise ValueError(f"num_knots must be >= 1, got {num_knots}")
+    if num_knots < 2:
+        raise ValueError(f"num_knots must be >= 2{ONE_KNOT}, got {num_knots}")
     if not 0 <= noise < math.inf:
         raise ValueError(f"noise must be finite and >= 0, got {noise}")
     raw = jnp.full((num_knots,), IDENTITY_RAW_SLOPE, jnp.float32)

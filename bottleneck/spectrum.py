@@ -29,6 +29,16 @@ def singular_values(a: jax.Array) -> jax.Array:
     return jnp.linalg.svd(as_compute(a), compute_uv=False)
 
 
+def _nan_unless_finite(a: jax.Array, count: jax.Array) -> jax.Array:
+    """``count`` as float32, NaN for each matrix of ``a [..., m, n]`` that holds a NaN or inf.
+
+    The SVD of such a matrix gives NaN singular values, which no comparison counts: without
+    this a rank would read 0, a plausible number. A flag, not a raise, so it holds under jit.
+    """
+    finite = jnp.all(jnp.isfinite(a), axis=(-2, -1))
+    return jnp.where(finite, count.astype(jnp.float32), jnp.nan)
+
+
 def numerical_rank(a: jax.Array, tol: float | jax.Array | None = None) -> jax.Array:
     r"""Number of singular values above ``tol``.
 
@@ -41,7 +51,9 @@ def numerical_rank(a: jax.Array, tol: float | jax.Array | None = None) -> jax.Ar
       tol: absolute threshold; ``None`` for the default above.
 
     Returns:
-      ``[...]`` int32 rank(s).
+      ``[...]`` float32 rank(s): a whole number, or NaN for a matrix holding NaN or inf
+      (log-probabilities of ``-inf`` included), whose singular values are undefined; under
+      ``jit`` too. ``int(rank)`` of a NaN raises, so a script cannot print it as a count.
     """
     s = singular_values(a)
     if tol is None:
@@ -50,7 +62,7 @@ def numerical_rank(a: jax.Array, tol: float | jax.Array | None = None) -> jax.Ar
         tol = 0.5 * (m + n + 1) ** 0.5 * s[..., :1] * eps
     else:
         tol = jnp.asarray(tol, s.dtype)[..., None]
-    return jnp.sum(s > tol, axis=-1, dtype=jnp.int32)
+    return _nan_unless_finite(a, jnp.sum(s > tol, axis=-1, dtype=jnp.int32))
 
 
 def effective_rank(a: jax.Array, energy: float = 0.99) -> jax.Array:
@@ -64,7 +76,8 @@ def effective_rank(a: jax.Array, energy: float = 0.99) -> jax.Array:
       energy: fraction in ``(0, 1]``.
 
     Returns:
-      ``[...]`` int32 effective rank(s) (0 for an all-zero matrix).
+      ``[...]`` float32 effective rank(s): a whole number (0 for an all-zero matrix), or NaN
+      for a matrix holding NaN or inf, under ``jit`` too.
     """
     if not 0 < energy <= 1:
         raise ValueError(f"energy must be in (0, 1], got {energy}")
@@ -72,9 +85,10 @@ def effective_rank(a: jax.Array, energy: float = 0.99) -> jax.Array:
     cumulative = jnp.cumsum(power, axis=-1)
     # A relative slack of a few ulps so that energy = 1 does not miss the last value to rounding.
     target = energy * cumulative[..., -1:] * (1 - 4 * jnp.finfo(power.dtype).eps)
-    return jnp.sum(cumulative < target, axis=-1, dtype=jnp.int32) + jnp.where(
+    count = jnp.sum(cumulative < target, axis=-1, dtype=jnp.int32) + jnp.where(
         cumulative[..., -1] > 0, 1, 0
     ).astype(jnp.int32)
+    return _nan_unless_finite(a, count)
 
 
 def jacobian_singular_values(f: Callable[[jax.Array], jax.Array], xs: jax.Array) -> jax.Array:

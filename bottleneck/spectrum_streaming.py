@@ -105,6 +105,9 @@ def numerical_rank_from_singular_values(
       num_rows, num_columns: ``m`` and ``n`` of the matrix they come from.
       dtype: the data's dtype (for the default tolerance).
       tol: absolute threshold; ``None`` for the default.
+
+    Raises:
+      ValueError: ``singular_values`` holding NaN or inf.
     """
     s = _check_spectrum(singular_values)
     if tol is None:
@@ -121,6 +124,9 @@ def effective_rank_from_singular_values(singular_values: np.ndarray, energy: flo
     Args:
       singular_values: ``[k]`` non-negative values, largest first.
       energy: fraction in ``(0, 1]``.
+
+    Raises:
+      ValueError: ``singular_values`` holding NaN or inf.
     """
     if not 0 < energy <= 1:
         raise ValueError(f"energy must be in (0, 1], got {energy}")
@@ -137,6 +143,12 @@ def _check_spectrum(singular_values: np.ndarray) -> np.ndarray:
     s = np.asarray(singular_values)
     if s.ndim != 1:
         raise ValueError(f"singular_values must have shape [k], got {s.shape}")
+    # A NaN would count as no singular value (a rank of 0 or 1, a plausible number).
+    if not np.all(np.isfinite(s)):
+        raise ValueError(
+            "singular_values must be finite (they hold NaN or inf: the matrix they come from "
+            "held NaN or inf)"
+        )
     return s
 
 

@@ -65,6 +65,8 @@ class Config(Checked):
         super().__post_init__()
         if not self.heads:
             raise ValueError("heads must name at least one head")
+        for head in self.heads:  # each head with the trunk's options checks itself
+            replace(self.trunk.head, name=head)
 
 
 # A CLI check in seconds: the fixture corpus, a tiny trunk, two heads.

@@ -115,6 +115,8 @@ class Config(Checked):
         super().__post_init__()
         if not self.heads or not self.dims:
             raise ValueError("heads and dims must each name at least one value")
+        if self.mode == "random":  # each head's own checks (built abstractly), before writing
+            nn.check_heads(self.heads, **dataclasses.asdict(self))
         if self.mode == "model" and self.log_probs is None:
             raise ValueError("--log_probs PATH is required in model mode")
 

@@ -87,6 +87,8 @@ class Config(Checked):
             raise ValueError("heads, dims, alphas and seeds must each name at least one value")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct, got {self.seeds}")
+        # Each head's own checks (built abstractly), before a folder is written.
+        nn.check_heads(self.heads, **dataclasses.asdict(self))
 
 
 PRESETS = {

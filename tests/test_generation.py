@@ -205,3 +205,96 @@ def test_bad_arguments(options, match):
     prompt, num_tokens = options.pop("prompt"), options.pop("num_tokens")
     with pytest.raises(ValueError, match=match):
         bn.generate(TRANSFORMER, prompt, num_tokens, key=jax.random.key(0), **options)
+
+
+# ---- the decoding interface and HiddenStateDecoder ----------------------------------------------
+
+
+class TinyGPT(nnx.Module):
+    """A user's model with no decoding interface: tokens [B, T] -> log-probs [B, T, M]."""
+
+    def __init__(self, rngs):
+        self.vocab_size = V
+        self.embed = nnx.Embed(V, 8, rngs=rngs)
+        self.out = nnx.Linear(8, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        return jax.nn.log_softmax(self.out(self.embed(tokens)))
+
+
+class NoVocab(nnx.Module):
+    init_decode_state = prefill = decode_step = staticmethod(lambda *args: None)
+
+
+@pytest.mark.parametrize(
+    "model, lacks",
+    [
+        (TinyGPT(nnx.Rngs(0)), "TinyGPT lacks a method init_decode_state, a method prefill, a"),
+        (NoVocab(), "NoVocab lacks an integer vocab_size >= 1 (it has None)."),
+    ],
+)
+def test_a_model_without_the_decoding_interface_is_refused_before_tracing(model, lacks):
+    with pytest.raises(ValueError) as error:
+        bn.generate(model, np.array([[1, 2]]), N, key=jax.random.key(0))
+    message = str(error.value)
+    assert "model must have the decoding interface bottleneck.generation.DecodingModel" in message
+    assert lacks in message and "bn.HiddenStateDecoder(model, head, vocab_size)" in message
+
+
+class TransformerTrunk(nnx.Module):
+    """nn.Transformer's trunk as a user's model: tokens -> the head's input, no cache."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, tokens):
+        return self.model.head_input(self.model.features(tokens))
+
+
+# The Transformer's own weights behind the adapter (shared, not copied).
+ADAPTED = bn.HiddenStateDecoder(TransformerTrunk(TRANSFORMER), TRANSFORMER.head, V, max_len=8)
+
+
+def test_hidden_state_decoder_gives_the_cached_decoders_log_probs_at_every_step():
+    x = prompts(3)[:8]
+    x = np.concatenate([x, np.random.default_rng(4).integers(0, V, (8, N - 1))], axis=1)
+
+    @jit_model
+    def decode(model, x):
+        first, state = model.prefill(model.init_decode_state(x.shape[0], x.shape[1]), x[:, :P])
+        state, rest = jax.lax.scan(
+            lambda state, token: model.decode_step(state, token)[::-1], state, x[:, P:].T
+        )
+        return jnp.concatenate([first[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
+
+    cached, adapted = decode(TRANSFORMER, x), decode(ADAPTED, x)
+    assert adapted.shape == (8, N, V)
+    np.testing.assert_allclose(adapted, cached, rtol=1e-5, atol=1e-5)
+    # And both are the full forward pass over each prefix.
+    np.testing.assert_allclose(adapted, full_log_probs(TRANSFORMER, x)[:, P - 1 :], atol=1e-5)
+
+
+def test_hidden_state_decoder_samples_the_tokens_the_cached_decoder_does():
+    prompt = prompts()[:64]
+    for options in ({}, {"temperature": 0.7, "top_p": 0.9}, {"top_k": 1}):
+        adapted = generate(ADAPTED, prompt, seed=3, **options)
+        np.testing.assert_array_equal(adapted, generate(TRANSFORMER, prompt, seed=3, **options))
+    greedy = generate(ADAPTED, prompt, seed=0, top_k=1)
+    np.testing.assert_array_equal(generate(ADAPTED, prompt, seed=9, top_k=1), greedy)
+    assert len(np.unique(greedy)) > 2  # the context matters
+
+
+def test_hidden_state_decoder_refuses_what_it_cannot_decode():
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"max_len must be in \[1, 8\]"):  # 6 + 4 - 1 > 8
+        bn.generate(ADAPTED, np.zeros((1, 6), np.int32), N, key=key)
+    flat = bn.HiddenStateDecoder(lambda tokens: tokens.astype(jnp.float32), TRANSFORMER.head, V)
+    with pytest.raises(ValueError, match=r"model must map tokens \[B, T\] = \(1, 5\) to hidden"):
+        bn.generate(flat, np.array([[1, 2]]), N, key=key)
+    narrow = bn.HiddenStateDecoder(TransformerTrunk(TRANSFORMER), lambda h: h, V)
+    with pytest.raises(ValueError, match=r"head must map h \[B, d\] to log-probabilities"):
+        bn.generate(narrow, np.array([[1, 2]]), N, key=key)
+    with pytest.raises(ValueError, match=r"pad_id must be in \[0, 12\)"):
+        bn.HiddenStateDecoder(TransformerTrunk(TRANSFORMER), TRANSFORMER.head, V, pad_id=V)
+    with pytest.raises(ValueError, match="vocab_size must be >= 1"):
+        bn.HiddenStateDecoder(TransformerTrunk(TRANSFORMER), TRANSFORMER.head, 0)

@@ -35,7 +35,7 @@ def naive_plif(x, raw_slopes, bound):
     return intercepts[index] + slopes[index] * (x - (index.astype(x.dtype) * delta - bound))
 
 
-@pytest.mark.parametrize("num_knots, bound", [(1, 20.0), (7, 3.0), (1000, 20.0)])
+@pytest.mark.parametrize("num_knots, bound", [(2, 20.0), (7, 3.0), (1000, 20.0)])
 def test_plif_matches_definition(num_knots, bound):
     kx, ks = jax.random.split(jax.random.key(0))
     x = 1.5 * bound * jax.random.normal(kx, (5, 40))  # a good share lands outside [-T, T]
@@ -44,7 +44,7 @@ def test_plif_matches_definition(num_knots, bound):
     np.testing.assert_allclose(got, np_plif(x, raw, bound), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("num_knots", [1, 10, 100_000])
+@pytest.mark.parametrize("num_knots", [2, 10, 100_000])
 def test_plif_identity_at_unit_slopes(num_knots):
     x = jnp.array([-1e4, -25.0, -20.0, -3.3, 0.0, 1e-3, 7.25, 19.999, 20.0, 31.0, 1e4])
     got = jax.jit(bn.plif)(x, bn.plif_init(jax.random.key(0), num_knots))
@@ -176,7 +176,13 @@ def test_plif_bfloat16_inputs_compute_in_float32():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: bn.plif_init(jax.random.key(0), 0), "num_knots must be >= 1"),
+        (lambda: bn.plif_init(jax.random.key(0), 0), "num_knots must be >= 2"),
+        # One knot is affine (nn.PLIF refuses it with the same reason).
+        (lambda: bn.plif_init(jax.random.key(0), 1), r"num_knots must be >= 2 \(one knot makes"),
+        (
+            lambda: bn.plif(jnp.zeros(3), jnp.zeros((1,))),
+            r"raw_slopes must have shape \[num_knots\] with num_knots >= 2 \(one knot makes",
+        ),
         (lambda: bn.plif(jnp.zeros(3), jnp.zeros(4), bound=0.0), "bound must be finite and > 0"),
         (lambda: bn.plif(jnp.zeros(3), jnp.zeros(4), bound=math.inf), "bound must be finite"),
         (lambda: bn.plif(jnp.zeros(3), jnp.zeros(4), bound=math.nan), "bound must be finite"),

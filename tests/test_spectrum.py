@@ -40,6 +40,30 @@ def test_effective_rank_counts_energy():
         bn.effective_rank(a, energy=0.0)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_ranks_of_a_non_finite_matrix_are_nan_not_a_count(bad):
+    """A NaN or inf entry gives NaN singular values, which no comparison counts: the ranks
+    read 0 (or 1) unless they say NaN. Per matrix of a batch, eagerly and under jit."""
+    finite = jax.random.normal(jax.random.key(3), (6, 5))
+    everywhere = jnp.full((6, 5), bad)
+    one_entry = finite.at[2, 3].set(bad)
+    batch = jnp.stack([finite, everywhere, one_entry])
+    for rank in (bn.numerical_rank, bn.effective_rank, jax.jit(bn.numerical_rank)):
+        got = np.asarray(rank(batch))
+        assert got.dtype == np.float32 and got[0] == rank(finite) >= 4, got
+        assert np.isnan(got[1:]).all(), got
+    assert np.isnan(float(bn.numerical_rank(everywhere, tol=0.1)))
+    assert np.isnan(float(jax.jit(bn.effective_rank)(one_entry)))
+    with pytest.raises(ValueError, match="cannot convert float NaN to integer"):
+        int(bn.numerical_rank(everywhere))  # a script's int(rank) stops, never prints 0
+
+
+def test_ranks_are_whole_numbers_as_float32():
+    a = jnp.diag(jnp.array([3.0, 2.0, 0.0]))
+    for rank in (bn.numerical_rank(a), bn.effective_rank(a, energy=1.0)):
+        assert rank.dtype == jnp.float32 and float(rank) == 2.0
+
+
 def test_jacobian_singular_values_of_linear_map_and_relu_layer():
     k1, k2 = jax.random.split(jax.random.key(7))
     weights = jax.random.normal(k1, (6, 4))

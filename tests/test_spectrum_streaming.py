@@ -70,6 +70,15 @@ def test_tolerance_and_effective_rank_match_bottleneck():
     assert ss.numerical_rank_from_singular_values(values, 30, 20, tol=values[3]) == 3
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_ranks_of_non_finite_singular_values_are_refused(bad):
+    values = np.array([3.0, bad, 1.0])
+    with pytest.raises(ValueError, match="singular_values must be finite"):
+        ss.numerical_rank_from_singular_values(values, 3, 3)
+    with pytest.raises(ValueError, match="singular_values must be finite"):
+        ss.effective_rank_from_singular_values(values)
+
+
 def test_rank_eps():
     assert ss.rank_eps(np.float32) == EPS32
     assert ss.rank_eps(np.float64) == EPS32  # the Gram cannot resolve float64's eps

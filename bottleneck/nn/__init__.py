@@ -13,7 +13,14 @@ from bottleneck.nn.pieces import (
     param_labels,
     relu_normalizer,
 )
-from bottleneck.nn.presets import HEAD_NAMES, head_options, is_mixture_preset, make_head
+from bottleneck.nn.presets import (
+    HEAD_NAMES,
+    check_head,
+    check_heads,
+    head_options,
+    is_mixture_preset,
+    make_head,
+)
 from bottleneck.nn.transformer import Transformer
 
 __all__ = [
@@ -27,6 +34,8 @@ __all__ = [
     "MonotoneMLP",
     "Normalizer",
     "OutputHead",
+    "check_head",
+    "check_heads",
     "dense_moe",
     "head_options",
     "Transformer",

@@ -43,7 +43,7 @@ from bottleneck.losses import (
     valid_labels,
 )
 from bottleneck.mixtures import mixture_log_probs
-from bottleneck.nn.pieces import HEAD_BUFFERS_PER_LOGIT, NORMALIZERS
+from bottleneck.nn.pieces import HEAD_BUFFERS_PER_LOGIT, NORMALIZERS, check_increasing
 from bottleneck.normalizers import log_normalize
 from bottleneck.sharding import (
     VocabShard,
@@ -207,7 +207,9 @@ class OutputHead(nnx.Module):
       rngs: NNX random streams (``params``).
       pointwise: ``f``: ``None`` (identity), :class:`PLIF`, :class:`MonotoneMLP`, or any
         callable / ``nnx.Module`` mapping logits elementwise and increasingly (its parameters
-        are the head's). It may declare ``buffers_per_logit`` (see below).
+        are the head's; one that decreases is refused when probed on a grid of logits:
+        :func:`bottleneck.nn.pieces.check_increasing`). It may declare ``buffers_per_logit``
+        (see below).
       normalizer: ``"softmax"``, ``"sigsoftmax"``, ``"sigmoid"``, ``"relu"`` (the
         :data:`NORMALIZERS`), a :class:`Normalizer`, or any callable / ``nnx.Module``
         ``z -> log g(z)`` elementwise (e.g. ``lambda z: 2 * z``).
@@ -311,6 +313,8 @@ class OutputHead(nnx.Module):
             raise ValueError(
                 f"pointwise must be None, an nnx.Module or a callable z -> f(z), got {pointwise!r}"
             )
+        if pointwise is not None:
+            check_increasing(pointwise)
         self.in_features = in_features
         self.vocab_size = vocab_size
         self.memory_budget = memory_budget

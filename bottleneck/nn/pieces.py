@@ -15,10 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bottleneck._checks import require_finite_number, require_int
-from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
+from bottleneck.monotone import ONE_KNOT, monotone_mlp, monotone_mlp_init, plif, plif_init
 from bottleneck.normalizers import (
     relu_log_scores,
     sigmoid_log_scores,
@@ -82,13 +84,7 @@ class PLIF(nnx.Module):
     buffers_per_logit = 5.5  # its gather, scatter-add and index arithmetic
 
     def __init__(self, num_knots: int, *, bound: float = 20.0, noise: float = 0.0, rngs: nnx.Rngs):
-        num_knots = require_int(
-            "num_knots",
-            num_knots,
-            2,
-            " (one knot makes the PLIF affine, f(z) = s z + c: a softmax with a learned "
-            "temperature, not a nonlinear map)",
-        )
+        num_knots = require_int("num_knots", num_knots, 2, ONE_KNOT)
         self.bound = require_finite_number("bound", bound, positive=True)
         noise = require_finite_number("noise", noise, positive=False)
         self.raw_slopes = nnx.Param(plif_init(rngs.params(), num_knots, noise=noise))
@@ -122,6 +118,53 @@ class MonotoneMLP(nnx.Module):
 
     def __call__(self, z: jax.Array) -> jax.Array:
         return monotone_mlp(z, {name: getattr(self, name)[...] for name in self.names})
+
+
+# Logits a user's pointwise map is probed at when a head is built (check_increasing): beyond
+# the range heads give, 0.5 apart, as a column [G, 1] so that a map with per-token parameters
+# broadcasts to [G, M].
+PROBE_LOGITS = np.linspace(-64.0, 64.0, 257, dtype=np.float32)[:, None]
+
+
+def check_increasing(pointwise: Callable[[jax.Array], jax.Array]) -> None:
+    """``ValueError`` if ``pointwise`` decreases between two logits of :data:`PROBE_LOGITS`.
+
+    A head's pointwise map must be increasing: it then keeps each distribution's ranking of the
+    tokens, which :func:`bottleneck.unargmaxable_tokens` and basis-aware truncation take from
+    the logits ``W h + b``; a decreasing map would make their answers silently wrong. The probe
+    is one call outside ``jit`` when the head is built, on 257 logits in ``[-64, 64]``: it
+    catches a map that decreases anywhere there by more than 64 ulps of its largest value
+    (round-off), not one that decreases only between the probes or beyond them. Nothing is
+    checked where the call cannot give concrete values (the head built under ``jit`` or
+    ``nnx.eval_shape``, or a map that does not take a ``[G, 1]`` float32 array), nor for
+    :class:`PLIF` and :class:`MonotoneMLP`, increasing by construction.
+    """
+    if isinstance(pointwise, (PLIF, MonotoneMLP)):
+        return  # increasing by construction (positive slopes, positive weights)
+    try:
+        values = pointwise(jnp.asarray(PROBE_LOGITS))
+    except Exception:  # noqa: BLE001  (not callable on the probe: the head's call will tell)
+        return
+    if isinstance(values, jax.core.Tracer):
+        return
+    dtype = jnp.asarray(values).dtype
+    if not jnp.issubdtype(dtype, jnp.floating) or jnp.ndim(values) != 2:
+        return
+    values = np.asarray(values, np.float64)
+    if values.shape[0] != PROBE_LOGITS.shape[0] or not np.isfinite(values).any():
+        return
+    slack = 64 * float(jnp.finfo(dtype).eps) * np.nanmax(np.abs(values[np.isfinite(values)]))
+    steps = np.diff(values, axis=0)
+    steps = np.where(np.isfinite(steps), steps, 0.0)  # NaN or inf: not this check's to judge
+    worst = np.unravel_index(np.argmin(steps), steps.shape)
+    if steps[worst] < -slack:
+        low, high = PROBE_LOGITS[worst[0], 0], PROBE_LOGITS[worst[0] + 1, 0]
+        raise ValueError(
+            f"pointwise must be increasing (it keeps each distribution's ranking of the tokens, "
+            f"which bn.unargmaxable_tokens and basis-aware truncation rely on), but "
+            f"f({low:g}) = {values[worst[0], worst[1]]:.6g} > f({high:g}) = "
+            f"{values[worst[0] + 1, worst[1]]:.6g}"
+        )
 
 
 PLIF_SLOPES_LABEL = "plif_slopes"

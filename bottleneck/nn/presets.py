@@ -8,8 +8,9 @@ those pieces, found by signature, so a new piece needs no registry entry here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from flax import nnx
@@ -151,6 +152,61 @@ def make_head(
         # in, so that a seed gives the same parameters as before heads became compositions.
         head.pointwise = nnx.data(preset.pointwise(**piece_options, rngs=rngs))
     return head
+
+
+def check_head(name: str, in_features: int = 8, vocab_size: int = 16, **options: Any) -> None:
+    """``ValueError`` naming the option if :func:`make_head` would refuse ``name`` and ``options``.
+
+    For configs and CLIs, which check a head's options before they write anything: the head is
+    built abstractly (:func:`flax.nnx.eval_shape`: every check its pieces make, no parameter
+    drawn, microseconds to milliseconds), so any option a piece refuses (``num_components`` of
+    a mixture below 2, ``num_knots`` of a PLIF below 2, a bad ``bound``, ...) is refused here
+    with the message :func:`make_head` would give. ``in_features`` and ``vocab_size`` default
+    to small placeholders, enough for options that do not depend on them (those a config holds
+    apart from the model); pass the real ones to check the rest (``latent_features``,
+    ``token_counts``, ...).
+
+    Example:
+      >>> check_head("mos", num_components=1)
+      Traceback (most recent call last):
+      ValueError: num_components must be >= 2 for the mixture preset 'mos' (one component is a plain head), got 1
+    """  # noqa: E501
+    try:
+        key = (name, in_features, vocab_size, tuple(sorted(options.items())))
+        hash(key)
+    except TypeError:  # an unhashable option (an array of token counts): not cached
+        _build_abstractly(name, in_features, vocab_size, options)
+        return
+    _check_head_cached(*key)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_head_cached(
+    name: str, in_features: int, vocab_size: int, options: tuple[tuple[str, Any], ...]
+) -> None:
+    _build_abstractly(name, in_features, vocab_size, dict(options))
+
+
+def _build_abstractly(
+    name: str, in_features: int, vocab_size: int, options: dict[str, Any]
+) -> None:
+    try:
+        nnx.eval_shape(
+            lambda: make_head(name, in_features, vocab_size, rngs=nnx.Rngs(0), **options)
+        )
+    except ValueError as err:  # a piece names its own argument: give the preset's option name
+        message = str(err)
+        for constructor, option in _OPTION_NAMES.items():
+            if message.startswith(f"{constructor} ") and option in options:
+                message = option + message[len(constructor) :]
+        raise ValueError(message) from None  # without eval_shape's frames
+
+
+def check_heads(names: Iterable[str], **candidates: Any) -> None:
+    """:func:`check_head` of each preset in ``names`` with the ``candidates`` it takes
+    (:func:`head_options`): for configs holding several heads and every preset's options."""
+    for name in dict.fromkeys(names):
+        check_head(name, **head_options(name, **candidates))
 
 
 def head_options(name: str, **candidates: Any) -> dict[str, Any]:

@@ -135,6 +135,20 @@ class HeadConfig(Checked):
     #: only, not the model; smaller chunks can be faster in a CPU's caches, larger on a GPU
     memory_budget_mib: Positive | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The head's own checks (nn.check_head: built abstractly, nothing drawn), before a
+        # script writes anything; a message names the field, not the constructor's argument.
+        try:
+            nn.check_head(self.name, **self.options())
+        except ValueError as err:
+            message = str(err)
+            for field, option in _OPTION_OF_FIELD.items():
+                if field != option and message.startswith(f"{option} "):
+                    message = field + message[len(option) :]
+            named = message if repr(self.name) in message else f"head {self.name!r}: {message}"
+            raise ValueError(named) from None
+
     @property
     def uses_plif(self) -> bool:
         return self.name in ("plif", "mos_plif")

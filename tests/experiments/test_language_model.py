@@ -174,6 +174,40 @@ def test_bad_flags_exit_with_one_clear_line(args, message, tmp_path, capsys):
     assert line.startswith("language_model.py: error: ") and message in line
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--head", "mos", "--num_components", "1"],
+            "num_components must be >= 2 for the mixture preset 'mos' (one component is a plain",
+        ),
+        (["--head", "plif", "--num_knots", "1"], "head 'plif': num_knots must be >= 2 (one knot"),
+        (
+            ["--head", "mixtape", "--num_components", "1"],
+            "num_components must be >= 2 for the mixture preset 'mixtape'",
+        ),
+        (["--head", "mos_plif", "--num_knots", "1"], "head 'mos_plif': num_knots must be >= 2"),
+        (["--head", "plif", "--plif_bound", "-1"], "plif_bound must be a finite number > 0"),
+        (["--head.name", "plif", "--plif_noise", "-1"], "plif_noise must be a finite number >= 0"),
+    ],
+)
+def test_bad_head_options_exit_2_in_one_line_and_write_nothing(args, message, tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        language_model.main(["--preset", "smoke", "--out_dir", str(out), *args])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("language_model.py: error: ") and message in line, line
+    assert not out.exists()  # no config.json, checkpoints/ or tfds/ left behind
+
+
+def test_head_options_the_head_does_not_take_are_not_checked():
+    # num_knots belongs to PLIF: a softmax or mos head ignores it, as on resuming.
+    assert HeadConfig("mos", num_knots=1).options() == {"num_components": 15, "latent": "tanh"}
+    with pytest.raises(ValueError, match="head 'plif': num_knots must be >= 2"):
+        HeadConfig("plif", num_knots=1)
+
+
 def test_a_usage_error_is_one_line_from_the_command_line_too(env, tmp_path):
     for args, message in [
         (["--optimizer.lr", "nan"], "language_model.py: error: lr must be finite, got nan"),

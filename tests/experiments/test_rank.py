@@ -132,6 +132,8 @@ def test_model_mode_subsamples_columns_reproducibly(rank_script, tmp_path, capsy
         (["--mode", "model"], "--log_probs PATH is required in model mode"),
         (["--mode", "model", "--log_probs", "/nonexistent/lp.npy"], "does not exist"),
         (["--mode", "sideways"], "invalid choice 'sideways' (choose from random, model)"),
+        (["--heads", "mos", "--num_components", "1"], "num_components must be >= 2"),
+        (["--heads", "plif", "--num_knots", "1"], "num_knots must be >= 2"),
     ],
 )
 def test_bad_cli_values_exit_with_a_message(rank_script, tmp_path, capsys, argv, message):

@@ -113,6 +113,13 @@ def test_same_seed_same_results(smoke_runs):
         (["--alphas", "0.1", "inf"], "alphas must be finite"),
         (["--mesh", "data=3"], "needs data x vocab = 3 devices but 1 are available"),
         (["--mesh", "vocab=8"], "xla_force_host_platform_device_count"),
+        # A head's own options, checked with the config (before any folder is written).
+        (
+            ["--heads", "softmax", "mos", "--num_components", "1"],
+            "num_components must be >= 2 for the mixture preset 'mos'",
+        ),
+        (["--heads", "plif", "--num_knots", "1"], "num_knots must be >= 2 (one knot makes"),
+        (["--heads", "plif", "--plif_noise", "-1"], "plif_noise must be a finite number >= 0"),
     ],
 )
 def test_bad_cli_values_exit_with_message(args, message, tmp_path, capsys):
@@ -123,7 +130,7 @@ def test_bad_cli_values_exit_with_message(args, message, tmp_path, capsys):
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("synthetic.py: error: ") and message in line
-    assert not (tmp_path / "run" / "config.json").exists()
+    assert not (tmp_path / "run").exists()  # no config.json, checkpoints/ or tfds/
 
 
 def test_another_experiments_folder_and_a_file_are_refused_in_one_line(tmp_path):

@@ -1,5 +1,6 @@
 import json
 import pathlib
+import re
 
 import chex
 import jax
@@ -327,6 +328,39 @@ def test_bad_construction_raises(build, message):
 
 
 @pytest.mark.parametrize(
+    "pointwise",
+    [
+        lambda z: -z,
+        lambda z: -1e-4 * z,  # slightly: still a reversed ranking
+        lambda z: z - 2.0 * jnp.sin(z),  # decreasing near 0 only
+        lambda z: z * jnp.linspace(-1.0, 1.0, M),  # per-token: decreasing for some tokens
+    ],
+)
+def test_a_decreasing_pointwise_map_is_refused(pointwise):
+    with pytest.raises(ValueError, match="pointwise must be increasing") as error:
+        nn.OutputHead(D, M, rngs=nnx.Rngs(0), pointwise=pointwise)
+    assert re.search(r"f\(-?[\d.]+\) = \S+ > f\(-?[\d.]+\) = ", str(error.value))
+    with pytest.raises(ValueError, match="pointwise must be increasing"):
+        nn.MixtapeHead(D, M, rngs=nnx.Rngs(0), pointwise=pointwise)
+
+
+@pytest.mark.parametrize(
+    "pointwise",
+    [
+        lambda z: z + 0.5 * jnp.tanh(z),
+        jnp.tanh,  # saturates to a constant in float32: non-decreasing is allowed
+        lambda z: z * jnp.linspace(0.5, 2.0, M),  # per-token slopes, all positive
+        lambda z: jnp.exp(z),  # from 1e-28 to 6e27: a steep map is no decrease
+    ],
+)
+def test_increasing_pointwise_maps_are_accepted(pointwise):
+    head = nn.OutputHead(D, M, rngs=nnx.Rngs(0), pointwise=pointwise)
+    assert head.pointwise is pointwise
+    # Built abstractly (no values to probe), nothing is refused or called for real.
+    nnx.eval_shape(lambda: nn.OutputHead(D, M, rngs=nnx.Rngs(0), pointwise=lambda z: -z))
+
+
+@pytest.mark.parametrize(
     "name, options, message",
     [
         # One knot: an affine PLIF, i.e. a softmax with a learned temperature.
@@ -354,9 +388,23 @@ def test_bad_construction_raises(build, message):
     ],
 )
 def test_degenerate_options_are_refused(name, options, message):
-    """Checked when the head is built, naming the option, not when (or if) it misbehaves."""
+    """Checked when the head is built, naming the option, not when (or if) it misbehaves;
+    nn.check_head (what configs and CLIs call, nothing built) refuses the same."""
     with pytest.raises(ValueError, match=message):
         make(name, **options)
+    with pytest.raises(ValueError, match=message):
+        nn.check_head(name, D, M, **options)
+
+
+def test_check_head_draws_no_parameters_and_names_the_presets_option():
+    nn.check_head("plif", num_knots=10**9)  # abstract: 4 GB of slopes are never allocated
+    nn.check_head("mixtape", num_components=4)
+    with pytest.raises(ValueError, match="^plif_noise must be a finite number >= 0"):
+        nn.check_head("plif", plif_noise=-1.0)
+    with pytest.raises(ValueError, match="num_components must be >= 2 for the mixture preset 'mos"):
+        nn.check_heads(("softmax", "plif", "mos"), num_components=1, num_knots=4, num_hidden=0)
+    with pytest.raises(ValueError, match="num_hidden must be >= 1"):
+        nn.check_heads(("monotone_mlp",), num_components=1, num_hidden=0)
 
 
 def test_two_knots_and_two_components_are_accepted():
