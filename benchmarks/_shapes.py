@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -26,3 +29,24 @@ class Shape:
 
 PTB = Shape("ptb", batch=20, steps=70, dim=400, vocab=10_000)
 WT2 = Shape("wt2", batch=80, steps=70, dim=400, vocab=33_278)
+
+
+def token_counts(data_dir: Path | None, vocab: int) -> tuple[np.ndarray, str]:
+    """Training counts per word id: PTB's (``data_dir/ptb.train.txt``) or a Zipf law."""
+    if data_dir is None:
+        ranks = np.arange(1, vocab + 1)
+        return np.floor(929_589 / (ranks * np.log(1.78 * vocab))).astype(np.int64), "zipf"
+    words: dict[str, int] = {}
+    counts: list[int] = []
+    path = Path(data_dir) / "ptb.train.txt"
+    if not path.is_file():
+        raise SystemExit(f"--data_dir: no ptb.train.txt in {data_dir}")
+    for line in path.read_text().splitlines():
+        for word in [*line.split(), "<eos>"]:
+            index = words.setdefault(word, len(words))
+            if index == len(counts):
+                counts.append(0)
+            counts[index] += 1
+    if len(counts) != vocab:
+        raise SystemExit(f"--data_dir: expected {vocab} words in ptb.train.txt, got {len(counts)}")
+    return np.asarray(counts, np.int64), "ptb"

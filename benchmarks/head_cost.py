@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _shapes import token_counts
 
 SHAPES = {  # name: (tokens, d, vocabulary)
     "study32": (2048, 32, 10_000),
@@ -55,27 +56,6 @@ HEADS = {  # name: (preset, options)
 LOSS_TARGETS = {"vs_baseline": 0.85, "mixtape_shared_vs_softmax": 2.0, "mixtape_shared_vs_mos": 0.6}
 PLIF_LOSS_TARGET = 1.8
 MEMORY_TARGET = 0.25
-
-
-def token_counts(data_dir: Path | None, vocab: int) -> tuple[np.ndarray, str]:
-    """Training counts per word id: PTB's (``data_dir/ptb.train.txt``) or a Zipf law."""
-    if data_dir is None:
-        ranks = np.arange(1, vocab + 1)
-        return np.floor(929_589 / (ranks * np.log(1.78 * vocab))).astype(np.int64), "zipf"
-    words: dict[str, int] = {}
-    counts: list[int] = []
-    path = Path(data_dir) / "ptb.train.txt"
-    if not path.is_file():
-        raise SystemExit(f"--data_dir: no ptb.train.txt in {data_dir}")
-    for line in path.read_text().splitlines():
-        for word in [*line.split(), "<eos>"]:
-            index = words.setdefault(word, len(words))
-            if index == len(counts):
-                counts.append(0)
-            counts[index] += 1
-    if len(counts) != vocab:
-        raise SystemExit(f"--data_dir: expected {vocab} words in ptb.train.txt, got {len(counts)}")
-    return np.asarray(counts, np.int64), "ptb"
 
 
 # ---- the worker: one code version, one process ----

@@ -13,7 +13,8 @@ seed 1; the validation pass after each epoch, about a twentieth of it, is not co
 
 Run from the repository root (about 5 minutes on 2 cores, alone on the machine):
 
-    python benchmarks/study_step.py [--heads softmax,mos] [--ds 16,32,64,128] [--repeats 5]
+    python benchmarks/study_step.py [--heads softmax,mos,mixtape_shared] [--ds 16,32,64,128]
+        [--repeats 5] [--data_dir PTB_DIR] [--shared-gate-below 100] [--memory-budget-mib 32]
         [--out benchmarks/results/study_step.json]
 """
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _shapes import token_counts
 from _timing import (
     machine_info,
     markdown_table,
@@ -48,11 +50,24 @@ PTB_TRAIN_TOKENS = 929_589
 SEED = 1
 
 
-def step_call(head: str, d: int, window: Window) -> Callable[[], Any]:
+# The study's heads, and Mixtape as its paper runs it: words seen fewer than
+# --shared-gate-below times share one gate.
+SHARED_MIXTAPE = "mixtape_shared"
+
+
+def step_call(
+    head: str, d: int, window: Window, counts: np.ndarray, shared_gate_below: float,
+    memory_budget_mib: float | None,
+) -> Callable[[], Any]:  # fmt: skip
     """A zero-argument call running one training step of cell ``(head, d)``'s model."""
+    preset = "mixtape" if head == SHARED_MIXTAPE else head
     with tempfile.TemporaryDirectory() as folder:  # cell_config names folders; none is written
-        cell = lm_study.cell_config(lm_study.Config(out_dir=folder), head, d, SEED)
-    model = language_model.build_model(cell, VOCAB)
+        cell = lm_study.cell_config(lm_study.Config(out_dir=folder), preset, d, SEED)
+    sharing = {"shared_gate_below": shared_gate_below} if head == SHARED_MIXTAPE else {}
+    cell = dataclasses.replace(
+        cell, head=dataclasses.replace(cell.head, memory_budget_mib=memory_budget_mib, **sharing)
+    )
+    model = language_model.build_model(cell, VOCAB, counts if sharing else None)
     tx = cell.optimizer.transformation(plif=cell.head.uses_plif, total_steps=10_000)
     trainer = Trainer(model, tx, seed=SEED)
     carry = trainer.initial_carry(window.inputs.shape[0])
@@ -71,14 +86,20 @@ def main() -> None:
     parser.add_argument("--heads", default=",".join(study.heads))
     parser.add_argument("--ds", default=",".join(map(str, study.ds)), help="comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shared-gate-below", type=float, default=100.0, help="mixtape_shared")
+    parser.add_argument("--data_dir", type=Path, help="PTB's folder, for mixtape_shared's counts")
+    parser.add_argument(
+        "--memory-budget-mib", type=float, help="every head's loss chunk budget (default 32)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/study_step.json"))
     args = parser.parse_args()
     heads = [name.strip() for name in args.heads.split(",") if name.strip()]
     if "softmax" not in heads:
         parser.error("--heads must include softmax, the reference of the ratios")
+    known = (*study.heads, SHARED_MIXTAPE)
     for name in heads:
-        if name not in study.heads:
-            parser.error(f"unknown head {name!r}; choose from {', '.join(study.heads)}")
+        if name not in known:
+            parser.error(f"unknown head {name!r}; choose from {', '.join(known)}")
     try:
         ds = [int(d) for d in args.ds.split(",")]
     except ValueError:
@@ -94,7 +115,14 @@ def main() -> None:
         targets=tokens[:, 1:].astype(np.int32),
         length=np.int32(data.bptt),
     )
-    calls = {f"{head}@{d}": step_call(head, d, window) for d in ds for head in heads}
+    counts, counts_source = token_counts(args.data_dir, VOCAB)
+    calls = {
+        f"{head}@{d}": step_call(
+            head, d, window, counts, args.shared_gate_below, args.memory_budget_mib
+        )
+        for d in ds
+        for head in heads
+    }
     with tqdm(total=len(calls) * (args.repeats + 1), desc="study steps") as progress:
         times = time_interleaved(calls, args.repeats, on_call=progress.update)
     ms = medians(times)
@@ -105,7 +133,7 @@ def main() -> None:
         [
             d,
             head,
-            f"{ms[f'{head}@{d}']:.0f}",
+            f"{ms[f'{head}@{d}']:.1f}",
             f"{ratios[f'{head}@{d}']:.2f}",
             f"{ms[f'{head}@{d}'] * steps_per_epoch / 1e3:.0f}",
         ]
@@ -117,7 +145,10 @@ def main() -> None:
         f"{VOCAB} words)\n\nMedian ms per step over {args.repeats} interleaved repetitions; x "
         f"softmax: median ratio to softmax's step at the same d; s/epoch: the step times "
         f"{steps_per_epoch} windows (PTB's first epoch at seed {SEED}), validation not "
-        "counted.\n\n" + markdown_table(["d", "head", "ms/step", "x softmax", "s/epoch"], rows)
+        f"counted. {SHARED_MIXTAPE}: words seen < {args.shared_gate_below:g} times share one "
+        f"gate ({int(np.sum(counts >= args.shared_gate_below))} with their own; counts: "
+        f"{counts_source}). Loss chunk budget: {args.memory_budget_mib or 32:g} MiB.\n\n"
+        + markdown_table(["d", "head", "ms/step", "x softmax", "s/epoch"], rows)
     )
     write_results(
         args.out,
@@ -132,6 +163,9 @@ def main() -> None:
             "ratio_to_softmax": ratios,
             "times_ms": times,
             "trunk": dataclasses.asdict(study.trunk.model),
+            "shared_gate_below": args.shared_gate_below,
+            "token_counts": counts_source,
+            "memory_budget_mib": args.memory_budget_mib,
             "machine": machine_info(),
         },
         markdown,

@@ -96,11 +96,13 @@ def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nn
     if not checkpoints.is_dir():
         raise UsageError(f"{root} has no checkpoints/ folder: the run never saved a model")
     vocab_path = root / VOCABULARY_FILE
-    if vocab_path.is_file():
+    counts = None
+    if vocab_path.is_file() and not config.head.shares_gates:
         vocabulary = Vocabulary.read(vocab_path)
-    else:
-        vocabulary = config.data.load(root).vocabulary
-    model = language_model.build_model(config, len(vocabulary))
+    else:  # a head that shares gates is built from the training split's counts
+        corpus = config.data.load(root)
+        vocabulary, counts = corpus.vocabulary, language_model.training_counts(config, corpus)
+    model = language_model.build_model(config, len(vocabulary), counts)
     with CheckpointStore(checkpoints) as store:
         if store.latest_step() is None:
             raise UsageError(f"{checkpoints} holds no checkpoint: the run never saved a model")

@@ -55,6 +55,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
+import numpy as np
 import tyro
 from flax import nnx
 from jax.sharding import Mesh
@@ -403,11 +404,19 @@ RESUMABLE_CHANGES = (
 )  # fmt: skip
 
 
-def build_model(config: Config, vocab_size: int) -> LanguageModel:
+def build_model(
+    config: Config, vocab_size: int, token_counts: np.ndarray | None = None
+) -> LanguageModel:
     """The configured model with its head behind the run loop's interface, initialised from
-    ``config.seed`` (build it under the run's mesh)."""
+    ``config.seed`` (build it under the run's mesh). ``token_counts`` ``[vocab_size]``: the
+    training split's counts of each word (:func:`training_counts`), needed by a head that
+    shares gates (Mixtape's ``--head.shared_gate_below``)."""
     rngs = nnx.Rngs(config.seed)
-    head = {"head": config.head.name, **config.head.options(), **config.head.compute_options()}
+    head = {
+        "head": config.head.name,
+        **config.head.model_options(token_counts),
+        **config.head.compute_options(),
+    }
     options = dataclasses.asdict(config.model)
     if isinstance(config.model, TransformerConfig):
         return TransformerLanguageModel(Transformer(vocab_size, rngs=rngs, **options, **head))
@@ -417,9 +426,16 @@ def build_model(config: Config, vocab_size: int) -> LanguageModel:
     )
 
 
+def training_counts(config: Config, corpus: TokenizedCorpus) -> np.ndarray | None:
+    """Each word's count in the training split ``[M]``, where the head uses them (else None)."""
+    if not config.head.shares_gates:
+        return None
+    return np.bincount(np.asarray(corpus.train), minlength=len(corpus.vocabulary))
+
+
 def build_trainer(config: Config, corpus: TokenizedCorpus, mesh: Mesh | None) -> Trainer:
     """The model and its optimizer, placed on ``mesh`` (call it under the mesh)."""
-    model = build_model(config, len(corpus.vocabulary))
+    model = build_model(config, len(corpus.vocabulary), training_counts(config, corpus))
     if mesh is not None:
         model = shard_model(model, mesh)
     epochs = config.optimizer.decay_epochs or config.training.epochs

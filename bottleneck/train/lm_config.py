@@ -107,6 +107,8 @@ class DataConfig(Checked):
         )
 
 
+# The vocabulary of the abstract head HeadConfig builds to check its options.
+_CHECKED_VOCABULARY = 16
 # HeadConfig's fields by the make_head option each one is.
 _OPTION_OF_FIELD = {
     "num_components": "num_components",
@@ -131,6 +133,10 @@ class HeadConfig(Checked):
     #: the mixtures' latent map: tanh (Yang et al.) | linear (identity-initialised facets, Chang &
     #: McCallum 2022).
     latent: Literal[LATENTS] = "tanh"
+    #: mixtape: words seen fewer than this many times in the training split share one gate
+    #: (Yang et al. 2019's gate sharing; their rows of the gates are then unused); None: every
+    #: word has its own gate
+    shared_gate_below: Positive | None = None
     #: MiB one chunk of the head's loss may use (None: the library's 32): speed and memory
     #: only, not the model; smaller chunks can be faster in a CPU's caches, larger on a GPU
     memory_budget_mib: Positive | None = None
@@ -139,8 +145,11 @@ class HeadConfig(Checked):
         super().__post_init__()
         # The head's own checks (nn.check_head: built abstractly, nothing drawn), before a
         # script writes anything; a message names the field, not the constructor's argument.
+        options = self.options()
+        if "shared_gate_below" in options:  # the counts come from the data: any will do here
+            options["token_counts"] = np.ones(_CHECKED_VOCABULARY)
         try:
-            nn.check_head(self.name, **self.options())
+            nn.check_head(self.name, vocab_size=_CHECKED_VOCABULARY, **options)
         except ValueError as err:
             message = str(err)
             for field, option in _OPTION_OF_FIELD.items():
@@ -154,9 +163,36 @@ class HeadConfig(Checked):
         return self.name in ("plif", "mos_plif")
 
     def options(self) -> dict[str, Any]:
-        """The keyword options of :func:`bottleneck.nn.make_head` that this head takes."""
+        """The keyword options of :func:`bottleneck.nn.make_head` that this head takes.
+
+        With gate sharing (``shared_gate_below``) the head also needs ``token_counts``, which
+        come from the training split: :meth:`model_options`.
+        """
         candidates = {option: getattr(self, field) for field, option in _OPTION_OF_FIELD.items()}
+        if self.shared_gate_below is not None:
+            candidates["shared_gate_below"] = self.shared_gate_below
         return nn.head_options(self.name, **candidates)
+
+    @property
+    def shares_gates(self) -> bool:
+        """Whether this head shares one gate among its rare words (it needs their counts)."""
+        return "shared_gate_below" in self.options()
+
+    def model_options(self, token_counts: np.ndarray | None = None) -> dict[str, Any]:
+        """:meth:`options` plus the training split's ``token_counts`` ``[M]`` where they count.
+
+        Raises:
+          ValueError: a head that shares gates without the counts.
+        """
+        options = self.options()
+        if self.shares_gates:
+            if token_counts is None:
+                raise ValueError(
+                    f"head {self.name!r} with shared_gate_below needs the training split's token "
+                    "counts (np.bincount(corpus.train, minlength=vocab_size))"
+                )
+            options["token_counts"] = np.asarray(token_counts)
+        return options
 
     def compute_options(self) -> dict[str, Any]:
         """The options of :func:`bottleneck.nn.make_head` that change its speed, not its model."""
@@ -167,7 +203,10 @@ class HeadConfig(Checked):
     def unused_fields(self) -> tuple[str, ...]:
         """The fields of options this head does not take (they cannot change its model)."""
         used = self.options()
-        return tuple(field for field, option in _OPTION_OF_FIELD.items() if option not in used)
+        fields = [field for field, option in _OPTION_OF_FIELD.items() if option not in used]
+        if self.shared_gate_below is not None and "shared_gate_below" not in used:
+            fields.append("shared_gate_below")
+        return tuple(fields)
 
 
 @dataclasses.dataclass(frozen=True)

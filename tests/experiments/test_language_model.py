@@ -456,6 +456,31 @@ def test_the_head_memory_budget_reaches_the_head_and_may_change_on_resuming():
         HeadConfig(memory_budget_mib=0.0)
 
 
+def test_mixtape_shares_gates_by_the_training_split_s_counts():
+    """--head.shared_gate_below reaches Mixtape with the corpus's counts: the words seen at
+    least that often have their own gate; other heads take no such option (and their digests
+    cannot change), and a sharing head without counts is refused."""
+    smoke = language_model.PRESETS["transformer-smoke"]
+    config = dataclasses.replace(
+        smoke, head=HeadConfig("mixtape", num_components=2, shared_gate_below=3)
+    )
+    corpus = type(
+        "Corpus", (), {"train": np.array([0, 1, 1, 1, 2, 2, 2, 2, 5]), "vocabulary": range(6)}
+    )
+    counts = language_model.training_counts(config, corpus)
+    np.testing.assert_array_equal(counts, [1, 3, 4, 0, 0, 1])
+    head = language_model.build_model(config, 6, counts).model.head
+    assert head.shares_gates and head.frequent_rows == ((1, 2),)
+    with pytest.raises(ValueError, match="needs the training split's token counts"):
+        language_model.build_model(config, 6)
+    softmax = dataclasses.replace(config, head=HeadConfig("softmax", shared_gate_below=3))
+    assert language_model.training_counts(softmax, corpus) is None
+    assert "shared_gate_below" not in softmax.head.options()
+    assert softmax.head.unused_fields()[-1] == "shared_gate_below"
+    with pytest.raises(ValueError, match="shared_gate_below must be > 0"):
+        HeadConfig("mixtape", shared_gate_below=0.0)
+
+
 def test_a_cosine_shorter_than_the_budget_lets_the_budget_change_on_resuming():
     config = language_model.PRESETS["transformer-study"]
     assert config.optimizer.decay_epochs == 10 and config.training.epochs == 13
