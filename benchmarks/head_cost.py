@@ -108,7 +108,8 @@ class Worker:
     """A worker process running the code of ``root``."""
 
     def __init__(self, root: Path, counts_path: Path, threshold: float):
-        env = {**os.environ, "PYTHONPATH": str(root)}
+        path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--worker", str(counts_path), str(threshold)],
             stdin=subprocess.PIPE,
