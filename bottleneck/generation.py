@@ -149,7 +149,7 @@ class HiddenStateDecoder(nnx.Module):
       ...         self.embed = nnx.Embed(50, 8, rngs=rngs)
       ...     def __call__(self, tokens):
       ...         x = self.embed(tokens)
-      ...         return jnp.cumsum(x, 1) / jnp.arange(1, x.shape[1] + 1)[:, None]
+      ...         return jnp.cumsum(x, 1) / jnp.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]
       >>> rngs = nnx.Rngs(0)
       >>> decoder = bn.HiddenStateDecoder(Trunk(rngs), nn.OutputHead(8, 50, rngs=rngs), 50)
       >>> bn.generate(decoder, jnp.array([[1, 2, 3]]), 5, key=jax.random.key(0)).shape
