@@ -134,10 +134,18 @@ class Worker:
 
 
 def commit_of(root: Path) -> str:
-    return subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-        capture_output=True, text=True, check=False,
-    ).stdout.strip() or "unknown"  # fmt: skip
+    """The commit of the checkout at ``root`` (``-dirty`` with uncommitted code), or ``unknown``
+    when ``root`` is not the top of a git checkout (a copy, e.g. ``git archive``)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    if Path(git("rev-parse", "--show-toplevel") or "/nonexistent").resolve() != root.resolve():
+        return "unknown"
+    dirty = git("status", "--porcelain", "--", "bottleneck", "experiments", "benchmarks")
+    return git("rev-parse", "--short=12", "HEAD") + ("-dirty" if dirty else "")
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:

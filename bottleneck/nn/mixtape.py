@@ -49,9 +49,8 @@ GATES = ("sigmoid_tree", "softmax")
 # HEAD_BUFFERS_PER_LOGIT and the pieces' own. Calibrated with compiled.memory_analysis() on
 # XLA:CPU at d = 256, M = 32768, K = 4: tests/nn/test_heads.py and tests/nn/test_mixtape.py
 # check that doubling the budget raises the temporaries by 0.5-1.1x the extra budget, without
-# gate sharing and with 1%, 10% and 50% frequent tokens (4.5 until the loss took the label's
-# gated logit from its own rows, which left the unshared head at 1.16x).
-MIXTAPE_BUFFERS_PER_LOGIT = 5.5
+# gate sharing and with 1%, 10% and 50% frequent tokens.
+MIXTAPE_BUFFERS_PER_LOGIT = 4.5
 
 
 class MixtapeHead(OutputHead):
@@ -180,9 +179,9 @@ class MixtapeHead(OutputHead):
 
     @property
     def declared_buffers_per_element(self) -> float | None:
-        """Per element of :attr:`elements_per_token`: ``(b M + 5.5 K F) / elements``.
+        """Per element of :attr:`elements_per_token`: ``(b M + 4.5 K F) / elements``.
 
-        ``b``: the head's and its pieces' buffers per gated logit (``M`` per token), ``5.5``
+        ``b``: the head's and its pieces' buffers per gated logit (``M`` per token), ``4.5``
         (:data:`MIXTAPE_BUFFERS_PER_LOGIT`) per component logit of a token with its own gate
         (``F = M`` without gate sharing).
         """
@@ -261,8 +260,9 @@ class MixtapeHead(OutputHead):
     ) -> tuple[jax.Array, list[jax.Array], None]:
         r"""The labels' gated log-scores ``[..., 1]`` and every column's, in blocks ``[..., 1, M_b]``.
 
-        The label's gated logit comes from its own rows (decoder, gate embedding, gate bias).
-        With gate sharing the columns come in two blocks that are never put together into
+        Without gate sharing every column's gated logit is written, and the label's is picked
+        from them. With gate sharing the label's comes from its own rows (decoder, gate
+        embedding, gate bias), and the columns come in two blocks that are never put together into
         ``[..., M]``: the frequent tokens' own gated logits ``[..., F]`` and the shared-gate
         tokens' single product ``(\sum_k \pi_{*,k} h_k)^T w_x + b_x`` ``[..., M - F]``.
         """
@@ -274,12 +274,21 @@ class MixtapeHead(OutputHead):
         decoder = self.decoder[...]
         bias = None if self.bias is None else self.bias[...]
         rows, in_shard = vocab.local_labels(labels, decoder.shape[0])
-        pre = self.label_gate_pre_activations(h, rows)
-        columns = None
-        if self.shares_gates:
-            columns = self._gate_columns(vocab, decoder.shape[0])
-            own_gate = jnp.take(columns.own_gate, rows)
-            pre = jnp.where(own_gate[..., None], pre, self.shared_gate_pre_activations(h))
+        if not self.shares_gates:
+            # Every column's gated logit is written anyway: the label's is picked from them.
+            z = self.gated(latents, decoder, self.gate_pre_activations(h))
+            if bias is not None:
+                z = z + bias.astype(jnp.float32)
+            scores = vocab.mask_padding(self.log_scores(z))
+            label = jnp.take_along_axis(scores, rows[..., None], axis=-1)
+            return jnp.where(in_shard[..., None], label, 0.0), [scores[..., None, :]], None
+        columns = self._gate_columns(vocab, decoder.shape[0])
+        own_gate = jnp.take(columns.own_gate, rows)
+        pre = jnp.where(
+            own_gate[..., None],
+            self.label_gate_pre_activations(h, rows),
+            self.shared_gate_pre_activations(h),
+        )
         z = jnp.einsum(
             "...kd,...d->...k", latents, jnp.take(decoder, rows, axis=0),
             preferred_element_type=jnp.float32,
@@ -288,11 +297,6 @@ class MixtapeHead(OutputHead):
         if bias is not None:
             z_label = z_label + jnp.take(bias, rows).astype(jnp.float32)
         label_scores = jnp.where(in_shard, self.log_scores(z_label), 0.0)[..., None]
-        if columns is None:
-            z = self.gated(latents, decoder, self.gate_pre_activations(h))
-            if bias is not None:
-                z = z + bias.astype(jnp.float32)
-            return label_scores, [vocab.mask_padding(self.log_scores(z))[..., None, :]], None
         frequent, shared = columns.frequent, columns.shared
         own = self.gated(
             latents, jnp.take(decoder, frequent, axis=0, mode="fill", fill_value=0),
