@@ -818,7 +818,14 @@ def _design_text(table: list[dict[str, Any]], done: list[dict[str, Any]], config
     seeds, the devices, the heads' settings beside the papers', the learning rate's schedule
     and whether the cells that ended their budget were still improving."""
     trunk, model = config.trunk, config.trunk.model
-    if model.family == "transformer":
+    if model.family == "transformer" and config.embedding == "fixed":
+        what = (
+            f"a fixed trunk: {model.num_layers} pre-norm Transformer layers of width "
+            f"{model.d_model} with the same input embedding at every d (a "
+            f"{model.embedding_features or model.d_model}-wide table, tied with the head's "
+            "decoder through a learned map Q: W = E Q), so only the head changes with d"
+        )
+    elif model.family == "transformer":
         what = (
             f"a factorized-embedding trunk: {model.num_layers} pre-norm Transformer layers of "
             f"width {model.d_model} whose input embedding also has width d (a d-wide table "
@@ -851,8 +858,13 @@ def _design_text(table: list[dict[str, Any]], done: list[dict[str, Any]], config
             f"the mixtures at K = {head.num_components} with {head.latent} latents (Yang et al. "
             "2018: K = 15, tanh)"
         )
-    if "mixtape" in heads:
+    if "mixtape" in heads and head.shared_gate_below is None:
         settings.append("Mixtape without gate sharing")
+    elif "mixtape" in heads:
+        settings.append(
+            f"Mixtape with gate sharing (words seen fewer than {head.shared_gate_below:g} times "
+            "in training share one gate)"
+        )
     if heads & {"plif", "mos_plif"}:
         settings.append(f"PLIF at {head.num_knots:,} knots (Ganea et al. 2019: 10^5)")
     if settings:

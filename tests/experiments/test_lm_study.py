@@ -518,3 +518,17 @@ def test_the_fixed_embedding_keeps_the_trunk_across_d_under_digests_of_its_own(c
         with pytest.raises(SystemExit):
             parse_config(lm_study.Config, lm_study.PRESETS, argv)
         assert message in capsys.readouterr().err
+
+
+def test_the_report_names_the_trunk_and_mixtape_s_gate_sharing_from_the_config():
+    """A fixed-trunk grid with gate sharing is not described as the factorized grid without it."""
+    trunk = lm_study.Config().trunk
+    sharing = dataclasses.replace(
+        trunk, head=dataclasses.replace(trunk.head, shared_gate_below=100)
+    )
+    fixed = lm_study.Config(embedding="fixed", trunk=sharing)
+    text = lm_study._design_text([], [], fixed)
+    assert "fixed trunk" in text and "factorized" not in text
+    assert "words seen fewer than 100 times" in text and "without gate sharing" not in text
+    old = lm_study._design_text([], [], lm_study.Config())
+    assert "factorized-embedding trunk" in old and "Mixtape without gate sharing" in old
