@@ -12,7 +12,12 @@ from bottleneck.consequences import (
     unargmaxable_tokens,
 )
 from bottleneck.generation import HiddenStateDecoder, generate
-from bottleneck.losses import chunked_cross_entropy, cross_entropy, target_log_probs
+from bottleneck.losses import (
+    chunked_cross_entropy,
+    cross_entropy,
+    log_partition,
+    target_log_probs,
+)
 from bottleneck.mixtures import mixture_log_probs
 from bottleneck.monotone import monotone_mlp, monotone_mlp_init, plif, plif_init
 from bottleneck.normalizers import (
@@ -67,5 +72,6 @@ __all__ = [
     "singular_values",
     "softmax_log_scores",
     "target_log_probs",
+    "log_partition",
     "unargmaxable_tokens",
 ]

@@ -227,7 +227,7 @@ def log_partition(
 
     Example:
       >>> import jax.numpy as jnp, bottleneck as bn
-      >>> round(float(bn.losses.log_partition(jnp.zeros(3), jnp.zeros(1))), 4)  # log 4
+      >>> round(float(bn.log_partition(jnp.zeros(3), jnp.zeros(1))), 4)  # log 4
       1.3863
     """
     if not log_scores:
