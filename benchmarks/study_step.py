@@ -15,6 +15,7 @@ Run from the repository root (about 5 minutes on 2 cores, alone on the machine):
 
     python benchmarks/study_step.py [--heads softmax,mos,mixtape_shared] [--ds 16,32,64,128]
         [--repeats 5] [--data_dir PTB_DIR] [--shared-gate-below 100] [--memory-budget-mib 32]
+        [--embedding factorized|fixed]
         [--out benchmarks/results/study_step.json]
 """
 
@@ -57,12 +58,13 @@ SHARED_MIXTAPE = "mixtape_shared"
 
 def step_call(
     head: str, d: int, window: Window, counts: np.ndarray, shared_gate_below: float,
-    memory_budget_mib: float | None,
+    memory_budget_mib: float | None, embedding: str,
 ) -> Callable[[], Any]:  # fmt: skip
     """A zero-argument call running one training step of cell ``(head, d)``'s model."""
     preset = "mixtape" if head == SHARED_MIXTAPE else head
     with tempfile.TemporaryDirectory() as folder:  # cell_config names folders; none is written
-        cell = lm_study.cell_config(lm_study.Config(out_dir=folder), preset, d, SEED)
+        study = lm_study.Config(out_dir=folder, embedding=embedding)
+        cell = lm_study.cell_config(study, preset, d, SEED)
     sharing = {"shared_gate_below": shared_gate_below} if head == SHARED_MIXTAPE else {}
     cell = dataclasses.replace(
         cell, head=dataclasses.replace(cell.head, memory_budget_mib=memory_budget_mib, **sharing)
@@ -91,6 +93,10 @@ def main() -> None:
     parser.add_argument(
         "--memory-budget-mib", type=float, help="every head's loss chunk budget (default 32)"
     )
+    parser.add_argument(
+        "--embedding", choices=("factorized", "fixed"), default="factorized",
+        help="the study's trunk: factorized (the first grid's) or fixed across d",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/study_step.json"))
     args = parser.parse_args()
     heads = [name.strip() for name in args.heads.split(",") if name.strip()]
@@ -118,8 +124,14 @@ def main() -> None:
     counts, counts_source = token_counts(args.data_dir, VOCAB)
     calls = {
         f"{head}@{d}": step_call(
-            head, d, window, counts, args.shared_gate_below, args.memory_budget_mib
-        )
+            head,
+            d,
+            window,
+            counts,
+            args.shared_gate_below,
+            args.memory_budget_mib,
+            args.embedding,
+        )  # fmt: skip
         for d in ds
         for head in heads
     }
@@ -147,7 +159,8 @@ def main() -> None:
         f"{steps_per_epoch} windows (PTB's first epoch at seed {SEED}), validation not "
         f"counted. {SHARED_MIXTAPE}: words seen < {args.shared_gate_below:g} times share one "
         f"gate ({int(np.sum(counts >= args.shared_gate_below))} with their own; counts: "
-        f"{counts_source}). Loss chunk budget: {args.memory_budget_mib or 32:g} MiB.\n\n"
+        f"{counts_source}). Loss chunk budget: {args.memory_budget_mib or 32:g} MiB. Trunk: "
+        f"{args.embedding} embedding.\n\n"
         + markdown_table(["d", "head", "ms/step", "x softmax", "s/epoch"], rows)
     )
     write_results(
@@ -166,6 +179,7 @@ def main() -> None:
             "shared_gate_below": args.shared_gate_below,
             "token_counts": counts_source,
             "memory_budget_mib": args.memory_budget_mib,
+            "embedding": args.embedding,
             "machine": machine_info(),
         },
         markdown,
