@@ -107,7 +107,9 @@ def make_head(
     (``num_knots``, ``bound``, ``plif_noise``) and "monotone_mlp" (``num_hidden``): a pointwise
     map under softmax; "mos", "moss" (sigsoftmax components and prior, as Kanai et al.),
     "mos_plif": mixtures (``num_components`` >= 2, default 15; ``latent_features``; ``latent``:
-    ``"tanh"``, the default, ``"linear"`` or a callable, see :class:`OutputHead`); "mixtape":
+    ``"tanh"``, the default and Yang et al.'s for the AWD-LSTM, ``"linear"`` or a callable, see
+    :class:`OutputHead`; in a Transformer prefer ``"linear"``: with tanh latents MoS trailed
+    softmax badly in our runs, docs/guides/language_models.md); "mixtape":
     Yang et al. 2019's one softmax over gated logits (:class:`MixtapeHead`: ``num_components``
     default 4, ``latent_features``, ``latent``, ``gate``, ``gate_features``, and gate sharing
     by ``token_counts`` [M] with ``shared_gate_below``). Every

@@ -130,8 +130,9 @@ class HeadConfig(Checked):
     plif_bound: float = 20.0
     plif_noise: float = 0.0
     num_hidden: Count = 16  # monotone_mlp width
-    #: the mixtures' latent map: tanh (Yang et al.) | linear (identity-initialised facets, Chang &
-    #: McCallum 2022).
+    #: the mixtures' latent map: tanh (Yang et al.'s, for the AWD-LSTM) | linear (identity-
+    #: initialised facets, Chang & McCallum 2022; in a Transformer prefer it: tanh latents
+    #: saturate there, docs/guides/language_models.md).
     latent: Literal[LATENTS] = "tanh"
     #: mixtape: words seen fewer than this many times in the training split share one gate
     #: (Yang et al. 2019's gate sharing; their rows of the gates are then unused); None: every
