@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 from _shapes import token_counts
+from _timing import machine_info, median_ratio, write_results
 
 SHAPES = {  # name: (tokens, d, vocabulary)
     "study32": (2048, 32, 10_000),
@@ -146,10 +147,6 @@ def commit_of(root: Path) -> str:
         return "unknown"
     dirty = git("status", "--porcelain", "--", "bottleneck", "experiments", "benchmarks")
     return git("rev-parse", "--short=12", "HEAD") + ("-dirty" if dirty else "")
-
-
-def median_ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -268,9 +265,6 @@ def main() -> None:
         parser.error(f"--baseline {args.baseline} has no bottleneck/ package")
     result = run(args)
     text = markdown(result)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _timing import machine_info, write_results
-
     write_results(args.out, {**result, "machine": machine_info()}, text)
     print(text)
 

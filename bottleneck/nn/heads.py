@@ -77,6 +77,17 @@ def affine_logits(
     return z.reshape(*lead, decoder.shape[0])
 
 
+def row_logits(x: jax.Array, decoder: jax.Array, rows: jax.Array) -> jax.Array:
+    """``w_r^T x_k`` ``[..., K]`` for ``x [..., K, d']`` and one decoder row ``r`` per token.
+
+    A label's logit from its own row (a gather of ``[..., d']``), not picked out of the
+    ``[..., M]`` logits: the loss's gradient then reaches ``w_y`` through ``[..., d']`` rows
+    instead of a one-hot ``[..., M]`` array. ``rows`` ``[...]``: local row indices.
+    """
+    picked = jnp.take(decoder, rows, axis=0)
+    return jnp.einsum("...kd,...d->...k", x, picked, preferred_element_type=jnp.float32)
+
+
 @jax.custom_vjp
 def _token_major_product(x: jax.Array, decoder: jax.Array) -> jax.Array:
     return jnp.einsum("nd,md->nm", x, decoder, preferred_element_type=jnp.float32)
@@ -394,23 +405,6 @@ class OutputHead(nnx.Module):
         """``W x + b``: ``[..., d'] -> [..., M]`` (this device's rows), accumulated in float32."""
         return affine_logits(x, self.decoder[...], None if self.bias is None else self.bias[...])
 
-    def label_logits(
-        self, x: jax.Array, labels: jax.Array, *, vocab: VocabShard
-    ) -> tuple[jax.Array, jax.Array]:
-        """``w_y^T x_k + b_y`` ``[..., K]`` for ``x [..., K, d']`` and each token's label ``y``.
-
-        From the label's own decoder row (a gather of ``[..., d']``), not picked out of the
-        ``[..., M]`` logits, so the loss's gradient reaches ``w_y`` through ``[..., d']`` rows
-        instead of a one-hot ``[..., M]`` array. Also returns whether each label is one of
-        this device's columns (elsewhere the value is meaningless).
-        """
-        index, in_shard = vocab.local_labels(labels, self.decoder.shape[0])
-        rows = jnp.take(self.decoder[...], index, axis=0)
-        z = jnp.einsum("...kd,...d->...k", x, rows, preferred_element_type=jnp.float32)
-        if self.bias is not None:
-            z = z + jnp.take(self.bias[...], index).astype(jnp.float32)[..., None]
-        return z, in_shard
-
     def log_scores(self, z: jax.Array) -> jax.Array:
         """``log g(f(z))``, elementwise: the pointwise map, then the normalizer's log-score."""
         if self.pointwise is not None:
@@ -472,18 +466,22 @@ class OutputHead(nnx.Module):
     ) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
         """What :meth:`token_log_probs` normalizes: the labels' log-scores and every column's.
 
-        Returns the labels' log-scores ``log g(f(z_y))`` ``[..., K]`` (zero where the label is
-        another device's column), the blocks of log-scores ``[..., K, M_b]`` that together
+        Returns the labels' log-scores ``log g(f(z_y))`` ``[..., K]`` (from their own decoder
+        rows, :func:`row_logits`; zero where the label is another device's column), the blocks of log-scores ``[..., K, M_b]`` that together
         hold this device's columns (padding at ``-inf``), and the log prior ``[..., K]``
         (``None``: one component). ``reverse_only``: see :func:`affine_logits`. A head of
         another kind (:class:`~bottleneck.nn.MixtapeHead`) overrides this and
         :meth:`mixture_scores`.
         """
         inputs, log_prior = self.components(h, latent_mask)
-        z_label, in_shard = self.label_logits(inputs, labels, vocab=vocab)
-        label_scores = jnp.where(in_shard[..., None], self.log_scores(z_label), 0.0)
+        decoder = self.decoder[...]
         bias = None if self.bias is None else self.bias[...]
-        z = affine_logits(inputs, self.decoder[...], bias, reverse_only=reverse_only)
+        rows, in_shard = vocab.local_labels(labels, decoder.shape[0])
+        z_label = row_logits(inputs, decoder, rows)
+        if bias is not None:
+            z_label = z_label + jnp.take(bias, rows).astype(jnp.float32)[..., None]
+        label_scores = jnp.where(in_shard[..., None], self.log_scores(z_label), 0.0)
+        z = affine_logits(inputs, decoder, bias, reverse_only=reverse_only)
         scores = vocab.mask_padding(self.log_scores(z))
         return label_scores, [scores], log_prior
 

@@ -38,7 +38,13 @@ from bottleneck.mixtures import (
     sigmoid_tree_gated_logits,
     sigmoid_tree_log_weights,
 )
-from bottleneck.nn.heads import OutputHead, affine_logits, padded_rows_init, uniform_init
+from bottleneck.nn.heads import (
+    OutputHead,
+    affine_logits,
+    padded_rows_init,
+    row_logits,
+    uniform_init,
+)
 from bottleneck.sharding import VOCAB, VocabShard, axis_size, context_mesh, vocab_rows_metadata
 
 GATES = ("sigmoid_tree", "softmax")
@@ -289,10 +295,7 @@ class MixtapeHead(OutputHead):
             self.label_gate_pre_activations(h, rows),
             self.shared_gate_pre_activations(h),
         )
-        z = jnp.einsum(
-            "...kd,...d->...k", latents, jnp.take(decoder, rows, axis=0),
-            preferred_element_type=jnp.float32,
-        )  # fmt: skip
+        z = row_logits(latents, decoder, rows)
         z_label = self.mix(z[..., None], pre[..., None])[..., 0]
         if bias is not None:
             z_label = z_label + jnp.take(bias, rows).astype(jnp.float32)
