@@ -207,24 +207,40 @@ def code_commit() -> str:
 def machine_description() -> str:
     """The machine in a few words: CPU model, cores, OS, JAX version and backend (with the
     accelerator's name, e.g. ``gpu (NVIDIA H200)``, where it is not the CPU)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
+    backend = jax.default_backend()
     return (
-        f"{cpu}, {os.cpu_count()} cores, {platform.system()}; JAX {jax.__version__} on "
-        f"{accelerator()}"
+        f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}; JAX {jax.__version__} on "
+        f"{backend if backend == 'cpu' else accelerator()}"
     )
 
 
+def cpu_model(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> str:
+    """The CPU's model as ``cpuinfo`` names it, with its family and model numbers, since the
+    name alone may not tell generations apart (``"AMD EPYC, family 26 model 2"``: a virtual
+    machine may report only the brand); ``platform.processor()`` where there is no such file."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block describes them all
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f", family {fields['cpu family']} model {fields['model']}"
+    return name
+
+
 def accelerator() -> str:
-    """JAX's backend, with the accelerator's name where it is not the CPU: ``"cpu"``, ``"gpu
-    (NVIDIA H200)"``."""
+    """The device JAX computes on, by backend and model: ``"cpu (AMD EPYC, family 26 model
+    2)"``, ``"gpu (NVIDIA H200)"``. Two runs whose float arithmetic may differ (another CPU
+    generation, another GPU) get different names."""
     backend = jax.default_backend()
-    return backend if backend == "cpu" else f"{backend} ({jax.devices()[0].device_kind})"
+    name = cpu_model() if backend == "cpu" else jax.devices()[0].device_kind
+    return f"{backend} ({name})"
 
 
 def results_page(

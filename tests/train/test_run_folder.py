@@ -4,6 +4,7 @@ import csv
 import json
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,12 @@ import pytest
 from test_experiment import Config, Large, Nested, Optimizer, Small
 
 from bottleneck.train import RunDir, RunFolderError, code_commit, open_run
-from bottleneck.train.run_folder import check_resumable, config_from_jsonable, to_jsonable
+from bottleneck.train.run_folder import (
+    check_resumable,
+    config_from_jsonable,
+    cpu_model,
+    to_jsonable,
+)
 
 
 def test_a_union_member_is_recorded_under_its_family_and_read_back(tmp_path):
@@ -186,3 +192,22 @@ def test_code_commit_of_a_copy_inside_another_repository_is_unknown(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     assert printed[-1] == "unknown"
+
+
+def test_cpu_model_names_the_family_and_model_a_brand_alone_hides(tmp_path):
+    """Two CPU generations that a virtual machine names alike ("AMD EPYC") get different
+    names, and so do cells of the study that trained on them."""
+
+    def cpuinfo(family, model):
+        block = f"processor\t: {{}}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\n"
+        block += f"model\t\t: {model}\nmodel name\t: AMD EPYC\nstepping\t: 1\n\n"
+        path = tmp_path / f"cpuinfo-{family}-{model}"
+        path.write_text(block.format(0) + block.format(1))
+        return path
+
+    zen5, zen3 = cpu_model(cpuinfo(26, 2)), cpu_model(cpuinfo(25, 1))
+    assert zen5 == "AMD EPYC, family 26 model 2" and zen3 == "AMD EPYC, family 25 model 1"
+    brand_only = tmp_path / "brand-only"
+    brand_only.write_text("processor\t: 0\nmodel name\t: Some CPU\n")
+    assert cpu_model(brand_only) == "Some CPU"
+    assert cpu_model(tmp_path / "absent") == (platform.processor() or platform.machine())
