@@ -50,6 +50,9 @@ into FILE at once, and a cell whose row there has the same config (``config_sha`
 again, even on another machine without its folder; ``experiments/lm_study_grid.sh`` runs a grid
 in the background from a worktree pinned at a commit and commits each row as it lands. A cell
 that fails (say, diverges) is recorded with its error and the grid goes on; rerunning retries it.
+Every cell of a block (one ``d`` and seed: the cells the report compares) trains on one device
+and CPU model, which its row records: where another device began a block, its cells are left
+pending for a machine like it, and the grid goes on with the blocks no device has begun.
 
 Writes to --out_dir: config.json; study.json / study.csv (one row per cell: valid / test
 perplexity, epochs, stopping reason, convergence, seconds, parameters, the validation curve, the
@@ -292,6 +295,40 @@ def finished_results(cell: language_model.Config) -> dict[str, Any] | None:
     except RunFolderError:
         return None  # e.g. a longer --epochs budget: the cell resumes from its checkpoint
     return json.loads((root / "results.json").read_text())
+
+
+# A cell's folder names the device it trains on in this file, written before its first step:
+# a checkpoint resumed elsewhere would mix two devices' arithmetic in one cell.
+DEVICE_FILE = "device.txt"
+
+
+def mark_device(cell: language_model.Config, device: str) -> None:
+    path = Path(cell.out_dir) / DEVICE_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(device + "\n")
+
+
+def block_devices(
+    config: Config, recorded: dict[tuple[str, int, int, str], dict[str, Any]], d: int, seed: int
+) -> set[str]:
+    """The devices that cells of the block ``(d, seed)`` trained or began training on: their
+    rows in ``recorded`` and their folders' :data:`DEVICE_FILE`.
+
+    The report compares each head with softmax at one ``d`` and seed, so a block's cells train
+    on one device (and CPU model): a cell whose block another device began waits, pending, for
+    a machine of that device, and the grid goes on with the blocks no device has begun.
+    """
+    devices = set()
+    for head in config.heads:
+        cell = cell_config(config, head, d, seed)
+        row = recorded.get((head, d, seed, config_sha(cell)))
+        if row is not None and row.get("device"):
+            devices.add(row["device"])
+        path = Path(cell.out_dir) / DEVICE_FILE
+        if path.is_file():
+            devices.add(path.read_text().strip())
+    return devices
 
 
 def run_cell(cell: language_model.Config) -> dict[str, Any]:
@@ -1392,6 +1429,7 @@ def run_study(config: Config) -> dict[str, Any]:
     results_csv = None if config.results_csv is None else Path(config.results_csv)
     recorded = {} if results_csv is None else read_results_csv(results_csv)
     cells = [(h, d, s) for s in config.seeds for d in config.ds for h in config.heads]
+    device = accelerator()
     for i, (head, d, seed) in enumerate(cells):
         cell = cell_config(config, head, d, seed)
         name = cell_name(head, d, seed)
@@ -1405,7 +1443,16 @@ def run_study(config: Config) -> dict[str, Any]:
         if config.report_only and not finished_before:
             rows.append({"head": head, "d": d, "seed": seed, "status": "pending"})
             continue
+        others = block_devices(config, recorded, d, seed) - {device}
+        if others and not finished_before:
+            print(
+                f"=== cell {i + 1}/{len(cells)}: {name}: deferred: its block (d = {d}, seed "
+                f"{seed}) trained on {', '.join(sorted(others))}, this machine is {device} ==="
+            )
+            rows.append({"head": head, "d": d, "seed": seed, "status": "pending"})
+            continue
         print(f"\n=== cell {i + 1}/{len(cells)}: {name} ===", flush=True)
+        mark_device(cell, device)
         results = run_cell(cell)
         curves[(head, d, seed)] = learning_curve(cell)
         row = cell_row(config, cell, results, curves[(head, d, seed)])
