@@ -93,6 +93,33 @@ from bottleneck.train.steps import Trainer
 logger = logging.getLogger(__name__)
 
 
+# jax.monitoring's duration events of tracing, lowering and XLA's compile (jax._src.dispatch).
+_COMPILE_EVENTS = frozenset(
+    {
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    }
+)
+_compiled = [0.0]  # seconds, summed by the listener
+
+
+@functools.cache
+def _listen_to_compiles() -> None:
+    def listener(event: str, seconds: float, **_: Any) -> None:
+        if event in _COMPILE_EVENTS:
+            _compiled[0] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling JAX functions since the
+    first call (jax.monitoring's duration events): what a step rate leaves out."""
+    _listen_to_compiles()
+    return _compiled[0]
+
+
 class TrainingDiverged(RuntimeError):
     """The training loss became NaN or infinite (scripts exit with status 1)."""
 
@@ -231,7 +258,7 @@ class LanguageModelRun:
         self.epoch = 0  # completed epochs
         self.window = 0  # windows done in the current epoch
         self.carry = trainer.initial_carry(data.batch_size)
-        self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0}
+        self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0, "compile_seconds": 0.0}
         self.records: list[dict[str, Any]] = []
         self.saved_step: int | None = None
 
@@ -333,6 +360,7 @@ class LanguageModelRun:
                     num_averaged=jnp.zeros((), jnp.int32)
                 )
             seconds = self.partial["seconds"]
+            compiling = self.partial.get("compile_seconds", 0.0)
             train_loss = self.partial["nll_sum"] / max(self.partial["tokens"], 1)
             record = {
                 "event": "epoch",
@@ -346,8 +374,10 @@ class LanguageModelRun:
                 "best_valid_ppl": perplexity(outcome.status.best_val_loss),
                 "averaged": self.status.averaging,
                 "switched_to_asgd": outcome.switched,
-                "seconds": seconds,
-                "tokens_per_second": self.partial["tokens"] / max(seconds, 1e-9),
+                "seconds": seconds,  # wall time of the epoch's steps, compiling included
+                "compile_seconds": compiling,
+                # the steps' own rate: a first epoch's compiles would understate it many times
+                "tokens_per_second": self.partial["tokens"] / max(seconds - compiling, 1e-9),
                 "valid_seconds": val_seconds,
             }
             self.status = outcome.status
@@ -358,13 +388,14 @@ class LanguageModelRun:
                 self.status = self.status._replace(finished=True)
             self.epoch, self.window = self.epoch + 1, 0
             self.carry = self.trainer.initial_carry(self.data.batch_size)
-            self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0}
+            self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0, "compile_seconds": 0.0}
             self.save()
             self.run.log_metrics(record)
             logger.info(
                 f"epoch {record['epoch']:4d} | train ppl {record['train_ppl']:9.2f} | valid ppl "
-                f"{record['valid_ppl']:9.2f} | {seconds:7.1f} s | {record['tokens_per_second']:8.0f} "
-                f"tok/s{' | ASGD' if self.status.averaging else ''}"
+                f"{record['valid_ppl']:9.2f} | {seconds:7.1f} s"
+                f"{f' (compiling {compiling:.1f} s)' if compiling >= 0.05 else ''} | "
+                f"{record['tokens_per_second']:8.0f} tok/s{' | ASGD' if self.status.averaging else ''}"
                 f"{' (switched)' if outcome.switched else ''}"
             )
             if self.stop.requested:
@@ -385,13 +416,16 @@ class LanguageModelRun:
             desc=f"epoch {self.epoch + 1}/{self.training.epochs}",
         )
         nll_sum, tokens = jnp.float32(self.partial["nll_sum"]), int(self.partial["tokens"])
-        start = time.perf_counter()
+        start, compiled_before = time.perf_counter(), compile_seconds()
 
         def keep_partial() -> None:
             self.partial = {
                 "nll_sum": float(nll_sum),
                 "tokens": tokens,
                 "seconds": self.partial["seconds"] + time.perf_counter() - start,
+                "compile_seconds": self.partial.get("compile_seconds", 0.0)
+                + compile_seconds()
+                - compiled_before,
             }
 
         steps = self.trainer.train_windows(

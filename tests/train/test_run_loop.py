@@ -192,6 +192,21 @@ def test_epochs_write_metrics_checkpoints_and_results(reference):
     assert len(list((out / "checkpoints").iterdir())) >= 1
 
 
+def test_the_step_rate_leaves_compiling_out(reference):
+    """An epoch's seconds are its wall time; its tokens/s count the steps alone, not the
+    compiles of the first epoch's new window shapes (which made a first epoch read "2 tok/s")."""
+    out, _ = reference
+    config, epochs = Config(), _epochs(out)
+    assert epochs[0]["compile_seconds"] > 0
+    assert all(0 <= m["compile_seconds"] < m["seconds"] for m in epochs)
+    batched = np.zeros((len(_corpus().train) // config.data.batch_size, 1))
+    for m in epochs:
+        windows = config.data.train_windows(batched, m["epoch"] - 1, config.seed)
+        tokens = sum(w.seq_len for w in windows) * config.data.batch_size
+        rate = tokens / (m["seconds"] - m["compile_seconds"])
+        np.testing.assert_allclose(m["tokens_per_second"], rate, rtol=1e-6)
+
+
 def test_a_stop_signal_saves_mid_epoch_and_the_rerun_is_the_uninterrupted_run(
     reference, tmp_path, capsys
 ):
