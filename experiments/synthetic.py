@@ -12,6 +12,11 @@ over the seeds (``--seeds``, three by default: each seed draws its own P* and in
     python experiments/synthetic.py --preset smoke   # seconds
     python experiments/synthetic.py --preset paper   # larger grid, hours
 
+Resumable: rerunning the command in the same --out_dir keeps the runs it finished and trains the
+others (the grid's flags --heads, --dims, --alphas, --seeds may change; every other setting must
+match, else one line says which differs). Ctrl-C stops between two logging intervals, keeps the
+finished runs and writes the page and plots of what is done (titled partial).
+
 Writes results.json (``runs``: one row per seed; ``summary``: mean and std over seeds),
 results.csv (the per-seed rows), results.md (mean +- std, then every seed's row), metrics.jsonl
 (training curves), config.json and one PNG per alpha (mode matching and KL against d, one line
@@ -22,9 +27,11 @@ from __future__ import annotations
 
 import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
+import json
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Annotated
 
 import jax
@@ -52,7 +59,9 @@ from bottleneck.train import (
     parse_config,
     progress,
 )
+from bottleneck.train.checkpoint import StopSignals
 from bottleneck.train.experiment import Checked, Count, Interval, Positive, one_line_errors
+from bottleneck.train.run_folder import TrainingInterrupted, check_resumable
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -114,8 +123,11 @@ PRESETS = {
 }
 
 
-def train_one(config: Config, run, head: str, dim: int, alpha: float, seed: int, targets) -> dict:
-    """Trains one model full-batch and returns its row of results."""
+def train_one(
+    config: Config, run, head: str, dim: int, alpha: float, seed: int, targets, stop: StopSignals
+) -> dict | None:
+    """Trains one model full-batch and returns its row of results (``None`` where a signal
+    stopped it between two logging intervals)."""
     mesh = mesh_from_flag(config.mesh)
     with use_mesh(mesh):  # padded, annotated parameters for the mesh
         model = ContextEmbeddingModel(
@@ -135,6 +147,8 @@ def train_one(config: Config, run, head: str, dim: int, alpha: float, seed: int,
     )
     start = time.perf_counter()
     for step in range(0, config.steps, config.log_every):
+        if stop.requested:
+            return None
         losses = trainer.run(targets, min(config.log_every, config.steps - step))
         run.log_metrics(
             {
@@ -276,42 +290,86 @@ def plot(summary: list[dict], run, heads: tuple[str, ...]) -> list:
     return paths
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    config = parse_config(Config, PRESETS, argv)
-    with one_line_errors(config):  # this process's devices: checked before the folder is made
-        try:
-            require_data_divides(config.mesh, "num_contexts", config.num_contexts)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-    run = open_run(config.out_dir, config)
-    grid = [
+# The fields that choose the cells and how often they log: a rerun may change them and keeps
+# the rows of the cells it shares with the folder's run (every other field must match).
+GRID_FIELDS = ("heads", "dims", "alphas", "seeds", "log_every", "out_dir")
+
+
+def recorded_rows(config: Config) -> list[dict]:
+    """The rows an earlier run in ``--out_dir`` finished, if its settings are this run's but
+    for :data:`GRID_FIELDS` (else :class:`RunFolderError`, before anything is written)."""
+    check_resumable(config.out_dir, config, may_change=GRID_FIELDS)
+    path = Path(config.out_dir) / "results.json"
+    return json.loads(path.read_text())["runs"] if path.is_file() else []
+
+
+def write_outputs(run, rows: list[dict], config: Config) -> list:
+    """results.json (rows and summary), results.csv, results.md and the plots of ``rows``."""
+    summary = summarize(rows)
+    run.write_json("results.json", {"runs": rows, "summary": summary})
+    run.write_csv("results.csv", rows)
+    seeds = tuple(sorted({r["seed"] for r in rows}))
+    title = "Synthetic Dirichlet study (Ganea et al. 2019)"
+    grid = grid_cells(config)
+    missing = len(set(grid) - {cell_key(r) for r in rows})
+    if missing:
+        title += f" — partial ({missing} of the grid's {len(grid)} runs to go)"
+    run.write_page("results.md", title, page(summary, rows, seeds))
+    return plot(summary, run, config.heads)
+
+
+def grid_cells(config: Config) -> list[tuple]:
+    """The grid's runs as (alpha, seed, d, head), in the order they run: a seed's task at a
+    time (the task depends on alpha and seed only)."""
+    return [
         (a, s, d, h)
         for a in config.alphas
         for s in config.seeds
         for d in config.dims
         for h in config.heads
     ]
-    rows: list[dict] = []
-    bar = progress(grid, desc="synthetic")
-    for alpha, seed, dim, head in bar:
-        bar.set_postfix(head=head, d=dim, alpha=alpha, seed=seed)
-        # The task depends on (alpha, seed) only, so every head and d fits the same P*.
-        targets = dirichlet_targets(
-            jax.random.key(seed), config.num_contexts, config.num_outcomes, alpha
-        )
-        rows.append(train_one(config, run, head, dim, alpha, seed, targets))
-        # Rewritten after every run, so an interrupted grid keeps what it finished.
-        run.write_json("results.json", {"runs": rows})
-        run.write_csv("results.csv", rows)
-    summary = summarize(rows)
-    run.write_json("results.json", {"runs": rows, "summary": summary})
-    print(markdown_table(summary, TABLE_COLUMNS, floatfmt=".4g"))
-    run.write_page(
-        "results.md",
-        "Synthetic Dirichlet study (Ganea et al. 2019)",
-        page(summary, rows, config.seeds),
-    )
-    paths = plot(summary, run, config.heads)
+
+
+def cell_key(row: dict) -> tuple:
+    return (row["alpha"], row["seed"], row["d"], row["head"])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    config = parse_config(Config, PRESETS, argv)
+    with one_line_errors(config), StopSignals() as stop:
+        try:  # this process's devices: checked before the folder is made
+            require_data_divides(config.mesh, "num_contexts", config.num_contexts)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        rows = recorded_rows(config)
+        run = open_run(config.out_dir, config, resume=bool(rows))
+        done = {cell_key(r) for r in rows}
+        todo = [cell for cell in grid_cells(config) if cell not in done]
+        if done:
+            print(f"resuming {run.root}: {len(rows)} runs recorded, {len(todo)} to go")
+        bar = progress(todo, desc="synthetic")
+        for alpha, seed, dim, head in bar:
+            bar.set_postfix(head=head, d=dim, alpha=alpha, seed=seed)
+            # The task depends on (alpha, seed) only, so every head and d fits the same P*.
+            targets = dirichlet_targets(
+                jax.random.key(seed), config.num_contexts, config.num_outcomes, alpha
+            )
+            row = train_one(config, run, head, dim, alpha, seed, targets, stop)
+            if row is None:  # stopped by a signal: this run is dropped, the finished ones kept
+                break
+            rows.append(row)
+            # Rewritten after every run, so an interrupted grid keeps what it finished.
+            run.write_json("results.json", {"runs": rows})
+            run.write_csv("results.csv", rows)
+        bar.close()
+        paths = write_outputs(run, rows, config) if rows else []
+        if stop.requested:
+            print(
+                f"stopped: {len(rows)} runs kept in {run.root}; rerun the same command to go on",
+                file=sys.stderr,
+            )
+            raise TrainingInterrupted(stop.exit_code)
+    print(markdown_table(summarize(rows), TABLE_COLUMNS, floatfmt=".4g"))
     print(
         f"\nwrote {run.root}/results.json, results.md, results.csv, metrics.jsonl, "
         + ", ".join(p.name for p in paths)

@@ -323,7 +323,7 @@ def check_resumable(root: str | Path, config: Any, may_change: Collection[str] =
     ]
     if changed:
         raise RunFolderError(
-            f"{root} holds a checkpointed run with a different config ({'; '.join(changed)}); "
+            f"{root} holds a run made with a different config ({'; '.join(changed)}); "
             "rerun with the same flags to resume it, or choose another --out_dir"
         )
 

@@ -1,7 +1,9 @@
 import json
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -147,3 +149,39 @@ def test_another_experiments_folder_and_a_file_are_refused_in_one_line(tmp_path)
     result = _run("--preset", "smoke", "--out_dir", str(tmp_path / "file"))
     assert result.returncode == 2 and "exists and is not a folder" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_keeps_the_finished_runs_and_a_rerun_goes_on_from_them(tmp_path):
+    """SIGINT during the second of two runs: exit 130 without a traceback, the first run kept
+    with a page titled partial and its plot; the same command then trains only the second, and
+    the kept row is unchanged. Another setting than the kept rows' is refused in one line."""
+    out = tmp_path / "run"
+    args = [sys.executable, str(SCRIPT), "--preset", "smoke", "--steps", "10000",
+            "--log_every", "10", "--heads", "softmax", "--dims", "2", "--seeds", "0", "1",
+            "--out_dir", str(out)]  # fmt: skip
+    process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    results = out / "results.json"
+    while not results.is_file() or not json.loads(results.read_text() or "{}").get("runs"):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    stderr = stderr.decode()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "stopped: 1 runs kept" in stderr
+    kept = json.loads(results.read_text())["runs"]
+    assert [r["seed"] for r in kept] == [0]
+    title = (out / "results.md").read_text().splitlines()[0]
+    assert title.endswith("partial (1 of the grid's 2 runs to go)")
+    assert (out / "synthetic_alpha0.01.png").stat().st_size > 0
+    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"resuming {out}: 1 runs recorded, 1 to go" in rerun.stdout
+    runs = json.loads(results.read_text())["runs"]
+    assert [r["seed"] for r in runs] == [0, 1] and runs[0] == kept[0]
+    assert "partial" not in (out / "results.md").read_text().splitlines()[0]
+    before = results.read_text()
+    other = subprocess.run([*args, "--num_outcomes", "65"], cwd=ROOT, capture_output=True, text=True)
+    assert other.returncode == 2 and "num_outcomes: 64 -> 65" in other.stderr
+    assert results.read_text() == before
