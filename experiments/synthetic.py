@@ -71,24 +71,26 @@ import matplotlib.pyplot as plt  # noqa: E402
 class Config(Checked):
     """Ganea et al.'s synthetic Dirichlet study (mode matching, cross-entropy, KL, rank)."""
 
+    #: the output heads compared (bottleneck.nn.HEAD_NAMES), each at every d, alpha and seed
     heads: tuple[HeadName, ...] = (
         "softmax", "sigsoftmax", "sigmoid", "plif", "monotone_mlp", "mos", "moss",
     )  # fmt: skip
-    dims: tuple[Count, ...] = (2, 4, 8, 16)
+    dims: tuple[Count, ...] = (2, 4, 8, 16)  # embedding sizes d (the bottleneck's width)
+    #: Dirichlet concentrations of the true laws P*(.|c) ~ Dir(alpha 1): small is peaked
     alphas: tuple[Positive, ...] = (0.01,)
     #: each seed draws its own true laws P* and initialisation; the summary is mean +- std
     seeds: tuple[int, ...] = (0, 1, 2)
-    num_contexts: Count = 256
-    num_outcomes: Annotated[int, Interval("[2, inf)")] = 512
-    steps: Count = 1000
-    learning_rate: Positive = 0.01
-    num_components: Count = 4
-    num_knots: Count = 10_000
-    plif_noise: float = 0.0
-    num_hidden: Count = 8
-    log_every: Count = 100
+    num_contexts: Count = 256  # N contexts, each with a free embedding h_c
+    num_outcomes: Annotated[int, Interval("[2, inf)")] = 512  # M outcomes (the vocabulary)
+    steps: Count = 1000  # full-batch Adam steps per run
+    learning_rate: Positive = 0.01  # Adam's learning rate
+    num_components: Count = 4  # K of the mixtures (mos, moss, mos_plif, mixtape)
+    num_knots: Count = 10_000  # PLIF's knots (Ganea et al.: 10^5 in the paper preset)
+    plif_noise: float = 0.0  # std of the noise added to PLIF's initial slopes
+    num_hidden: Count = 8  # monotone_mlp's hidden width
+    log_every: Count = 100  # steps between lines of metrics.jsonl (and Ctrl-C's checks)
     mesh: str = ""  # e.g. data=4,vocab=2; empty: all devices on data
-    out_dir: str = "runs/synthetic"
+    out_dir: str = "runs/synthetic"  # results, plots and metrics go here
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import functools
 import inspect
 import logging
 import math
@@ -272,8 +274,9 @@ def one_line_errors(
     run ends quietly with its ``exit_code``, as does output cut short by a closed pipe (status 1).
     """
     statuses = {UsageError: 2, **(statuses or {})}
+    config_cls = program if isinstance(program, type) else type(program)
     try:
-        with tyro_errors.on_parse_error(_raise_usage_error):
+        with tyro_errors.on_parse_error(functools.partial(_raise_usage_error, config_cls)):
             yield
     except tuple(statuses) as err:
         message = " ".join(str(err).split())
@@ -291,10 +294,14 @@ def _program(program: Any) -> str:
     return Path(inspect.getfile(program if isinstance(program, type) else type(program))).name
 
 
-def _raise_usage_error(event: tyro_errors.ParseErrorEvent) -> None:
-    """tyro's parse errors (boxes of several lines) as a :class:`UsageError` of one line."""
+def _raise_usage_error(config_cls: type, event: tyro_errors.ParseErrorEvent) -> None:
+    """tyro's parse errors (boxes of several lines) as a :class:`UsageError` of one line; an
+    unknown flag names the flags of ``config_cls`` it may have meant."""
     if isinstance(event, tyro_errors.UnrecognizedArgs):
-        raise UsageError(f"unrecognized arguments: {' '.join(event.tokens)}")
+        flags = [t for t in event.tokens if t.startswith("--")]
+        hints = sorted({m for flag in flags for m in _meant(config_cls, flag)})
+        hint = f" (did you mean {' or '.join(hints)}?)" if hints else ""
+        raise UsageError(f"unrecognized arguments: {' '.join(event.tokens)}{hint}")
     if isinstance(event, tyro_errors.InvalidChoice):
         raise UsageError(
             f"argument {event.argument.display_name()}: invalid choice {event.value!r} "
@@ -308,6 +315,36 @@ def _raise_usage_error(event: tyro_errors.ParseErrorEvent) -> None:
         raise UsageError(f"the following arguments are required: {names}")
     title, _ = tyro_errors._render(event)
     raise UsageError(f"{title.rstrip('.').lower()}; see --help")
+
+
+# Names a user may try for a field that this project spells otherwise, in both directions.
+_SYNONYMS = {"learning_rate": "lr", "lr": "learning_rate"}
+
+
+def _meant(config_cls: type, flag: str) -> list[str]:
+    """The flags of ``config_cls`` close to ``flag`` (a typo, a synonym, a missing group)."""
+    if not dataclasses.is_dataclass(config_cls):
+        return []
+    counts = Counter(_leaf_names(config_cls))
+    paths = list(_field_paths(config_cls))
+    # A nested field answers to its own name where it is unique (_short_flags).
+    names = {p: p.rsplit(".", 1)[-1] if counts[p.rsplit(".", 1)[-1]] == 1 else p for p in paths}
+    wanted = flag[2:].partition("=")[0].replace("-", "_")
+    last = wanted.rsplit(".", 1)[-1]
+    close = set(difflib.get_close_matches(wanted, names.values(), n=3, cutoff=0.75))
+    close |= {n for p, n in names.items() if p.rsplit(".", 1)[-1] in (last, _SYNONYMS.get(last))}
+    return [f"--{n}" for n in close if n != wanted]
+
+
+def _field_paths(config_cls: type, prefix: str = "") -> Iterator[str]:
+    """The dotted names of the fields that are not parts (``optimizer.lr``)."""
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        parts = _parts(hints[field.name])
+        if not parts:
+            yield prefix + field.name
+        for part in parts:
+            yield from _field_paths(part, f"{prefix}{field.name}.")
 
 
 def _pop_preset(argv: list[str], presets: Mapping[str, Any]) -> str:
@@ -387,13 +424,7 @@ def _aliases(tp: Any) -> tuple[str, ...]:
 
 def _leaf_names(config_cls: type) -> Iterator[str]:
     """The names of the fields that are not parts, in ``config_cls`` and all its parts."""
-    hints = typing.get_type_hints(config_cls)
-    for field in dataclasses.fields(config_cls):
-        parts = _parts(hints[field.name])
-        if not parts:
-            yield field.name
-        for part in parts:
-            yield from _leaf_names(part)
+    return (path.rsplit(".", 1)[-1] for path in _field_paths(config_cls))
 
 
 def _presets_help(config_cls: type, presets: Mapping[str, Any]) -> str:

@@ -1,5 +1,7 @@
+import dataclasses
 import json
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -185,3 +187,22 @@ def test_ctrl_c_keeps_the_finished_runs_and_a_rerun_goes_on_from_them(tmp_path):
     other = subprocess.run([*args, "--num_outcomes", "65"], cwd=ROOT, capture_output=True, text=True)
     assert other.returncode == 2 and "num_outcomes: 64 -> 65" in other.stderr
     assert results.read_text() == before
+
+
+def test_every_flag_has_help(capsys, monkeypatch):
+    """--help explains each flag beyond its type and default (it once listed bare names)."""
+    monkeypatch.setenv("COLUMNS", "200")  # one line per flag
+    with pytest.raises(SystemExit):
+        synthetic.main(["--help"])
+    lines = [line.strip("│ ") for line in capsys.readouterr().out.split("options")[1].splitlines()]
+    entries, entry = [], []  # one per flag: its line and the help's continuation lines
+    for line in lines:
+        if line.startswith("--") and entry:
+            entries.append(" ".join(entry))
+            entry = []
+        entry.append(line)
+    entries.append(" ".join(entry))
+    for field in dataclasses.fields(synthetic.Config):
+        (text,) = [e for e in entries if e.startswith(f"--{field.name} ")]
+        bare = re.sub(r"\(default: [^)]*\)?|\{[^}]*\}|\[[^]]*\]|\b[A-Z]+\b|[╰─╯-]", "", text)
+        assert re.search(r"[a-z]{3}", bare.split(" ", 1)[1]), text

@@ -227,6 +227,22 @@ def test_nested_values_are_checked(argv, message, capsys):
     assert _usage_error(capsys, Nested, NESTED_PRESETS, argv).startswith(message)
 
 
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--learning_rate", "1"], "(did you mean --model.lr or --optimizer.lr?)"),  # a synonym
+        (["--optimizer.learning_rate", "1"], "(did you mean --model.lr or --optimizer.lr?)"),
+        (["--patiense", "2"], "(did you mean --patience?)"),  # a typo; unique: its own name
+        (["--optimiser.lr", "1"], "(did you mean --model.lr or --optimizer.lr?)"),
+    ],
+)
+def test_an_unknown_flag_names_the_flags_it_may_mean(argv, hint, capsys):
+    message = _usage_error(capsys, Nested, NESTED_PRESETS, argv)
+    assert message == f"unrecognized arguments: {' '.join(argv)} {hint}"
+    # Nothing close: no hint.
+    assert _usage_error(capsys, Nested, NESTED_PRESETS, ["--bogus", "1"]).endswith("--bogus 1")
+
+
 def test_help_shows_the_groups_both_spellings_and_what_each_preset_sets(capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_config(Nested, NESTED_PRESETS, ["--help"])
