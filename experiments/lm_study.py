@@ -139,6 +139,14 @@ class Config(Checked):
     #: tabulate and plot the cells recorded in --results_csv (or finished in --out_dir) without
     #: training the others, which are listed as pending
     report_only: bool = False
+    #: the report's tuned arm: results CSVs of this grid at one d under other peak learning
+    #: rates and dropouts, one CSV a setting (--results_csv itself is the recipe's); each head
+    #: takes the setting of its best validation at its first seed, and its seeds there are
+    #: compared with softmax's at softmax's own choice
+    tuned_csvs: tuple[str, ...] = ()
+    #: the report's convergence probe: a results CSV of cells trained with a longer budget
+    #: (the same schedule's shape), each compared with this grid's cell of its head, d and seed
+    probe_csv: str | None = None
     out_dir: str = "runs/lm_study"
 
     def __post_init__(self) -> None:
@@ -359,7 +367,7 @@ CONVERGED_IMPROVEMENT = 0.005
 RESULT_COLUMNS = (
     "corpus", "model", "vocab_size", "head", "d", "seed", "valid_ppl", "test_ppl", "epochs",
     "best_epoch", "stop_reason", "converged", "seconds_per_epoch", "train_seconds", "params",
-    "valid_curve", "commit", "config_sha", "device",
+    "valid_curve", "commit", "config_sha", "device", "lr", "dropout",
 )  # fmt: skip
 
 
@@ -441,7 +449,16 @@ def cell_row(
         "commit": code_commit(),
         "config_sha": config_sha(cell),
         "device": accelerator(),  # what the seconds were measured on
+        # the settings a tuned arm varies: the peak rate and the model's main dropout
+        "lr": cell.optimizer.lr,
+        "dropout": main_dropout(cell.model),
     }
+
+
+def main_dropout(model: AWDLSTMConfig | TransformerConfig) -> float:
+    """The dropout a tuned arm varies: the Transformer's on the residual branches (the tuned
+    arm sets its embedding dropout alike), the AWD-LSTM's on its output."""
+    return model.residual_dropout if isinstance(model, TransformerConfig) else model.dropout
 
 
 def read_results_csv(path: Path) -> dict[tuple[str, int, int, str], dict[str, Any]]:
@@ -460,6 +477,8 @@ def read_results_csv(path: Path) -> dict[tuple[str, int, int, str], dict[str, An
             row["converged"] = row["converged"] == "True"
             row["status"] = "done"
             row.setdefault("device", "")  # a CSV of before the column: one unknown device
+            for name in ("lr", "dropout"):  # before these columns: None (the CSV's recipe)
+                row[name] = float(row[name]) if row.get(name) else None
             rows[(row["head"], row["d"], row["seed"], row["config_sha"])] = row
     return rows
 
@@ -833,6 +852,10 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
             "",
             markdown_table(costs),
         ]
+    if config.tuned_csvs:
+        lines += ["", _tuned_text(tuned_arm(config, rows), config)]
+    if config.probe_csv is not None:
+        lines += ["", _probe_text(convergence_probe(config, rows, table), config)]
     if done:
         lines += ["", _compute_text(done, main_device(rows))]
     pending = [r for r in rows if r["status"] == "pending"]
@@ -848,6 +871,163 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         lines += ["", "Failed cells (rerun the command to retry them):", ""]
         lines += [f"- {cell_name(r['head'], r['d'], r['seed'])}: {r['error']}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def _setting(row: dict[str, Any], config: Config) -> tuple[float, float]:
+    """A row's (peak lr, dropout); a row of before those columns has its CSV's recipe, which
+    for --results_csv is this config's trunk."""
+    if row.get("lr") is None:
+        return config.trunk.optimizer.lr, main_dropout(config.trunk.model)
+    return row["lr"], row["dropout"]
+
+
+def _setting_text(setting: tuple[float, float]) -> str:
+    return f"lr {setting[0]:g}, dropout {setting[1]:g}"
+
+
+def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tuned arm: per head, the setting (one CSV of ``--tuned_csvs``, or ``--results_csv``
+    for the recipe) of the lowest validation perplexity at the first seed, then that setting's
+    cells of the arm's seeds (those the tuned CSVs hold) against softmax's at softmax's own
+    choice, paired by seed (:func:`_paired_gains`), and the one-recipe gain over the same seeds
+    beside it. The arm's d is the largest of the tuned CSVs'; one entry per head with a cell
+    there, in the order of ``--heads``.
+
+    A setting's rows are read from its CSV whatever their config digest: the CSV holds one
+    setting, and each row says its own (``lr``, ``dropout``)."""
+    tuned = [row for path in config.tuned_csvs for row in read_results_csv(Path(path)).values()]
+    if not tuned:
+        return []
+    d, seeds = max(r["d"] for r in tuned), {r["seed"] for r in tuned}
+    first_seed = min(seeds)
+    recorded = read_results_csv(Path(config.results_csv)).values() if config.results_csv else []
+    arms: dict[tuple[float, float], dict[tuple[str, int], dict[str, Any]]] = {}
+    for row in (*recorded, *tuned):
+        if row["d"] == d and row["seed"] in seeds:
+            arms.setdefault(_setting(row, config), {})[(row["head"], row["seed"])] = row
+    recipe = {(r["head"], r["seed"]): r for r in rows if r["status"] == "done" and r["d"] == d}
+    entries, chosen_cells = [], {}
+    for head in config.heads:
+        first = {s: cells[(head, first_seed)] for s, cells in arms.items() if (head, first_seed) in cells}
+        if not first:
+            continue
+        chosen = min(first, key=lambda s: first[s]["valid_ppl"])
+        cells = [arms[chosen][(head, s)] for s in sorted(seeds) if (head, s) in arms[chosen]]
+        chosen_cells[head] = cells
+        entries.append({
+            "head": head, "d": d, "setting": chosen, "seeds": [r["seed"] for r in cells],
+            "first_seed_valid": {s: first[s]["valid_ppl"] for s in sorted(first)},
+            "test_ppl": float(np.mean([r["test_ppl"] for r in cells])),
+        })  # fmt: skip
+    base = {r["seed"]: r for r in chosen_cells.get("softmax", [])}
+    for e in entries:
+        if e["head"] == "softmax":
+            continue
+        e["tuned"] = _paired_gains(chosen_cells[e["head"]], base)
+        paired = e["tuned"].get("gain_seeds", [])
+        if all((h, s) in recipe for h in ("softmax", e["head"]) for s in paired) and paired:
+            e["recipe"] = _paired_gains(
+                [recipe[(e["head"], s)] for s in paired], {s: recipe[("softmax", s)] for s in paired}
+            )
+    return entries
+
+
+def _tuned_text(entries: list[dict[str, Any]], config: Config) -> str:
+    if not entries:
+        return "Tuned arm: no cell recorded yet in " + ", ".join(config.tuned_csvs) + "."
+    settings = sorted({s for e in entries for s in e["first_seed_valid"]})
+    table = []
+    for e in entries:
+        row = {"head": e["head"], "chosen": _setting_text(e["setting"])}
+        for s in settings:
+            valid = e["first_seed_valid"].get(s)
+            row[_setting_text(s)] = "—" if valid is None else f"{valid:.2f}"
+        row["seeds"] = " ".join(map(str, e["seeds"]))
+        row["test ppl"] = f"{e['test_ppl']:.2f}"
+        for arm in ("tuned", "recipe"):
+            stats_ = e.get(arm) or {}
+            row[f"gain, {arm} (%)"] = (
+                "—" if not stats_ else
+                f"{stats_['gain_pct']:+.2f} {_interval_text(stats_['gain_ci'])}"
+            )  # fmt: skip
+        table.append(row)
+    return "\n".join([
+        f"**Tuned arm** at d = {entries[0]['d']}: each head's peak learning rate and dropout "
+        "chosen by the validation perplexity of its first seed (one column a setting), then "
+        "its seeds at that choice; 'gain, tuned' is over softmax at softmax's own choice, "
+        "paired by seed, with its paired "
+        f"{1 - ALPHA:.0%} interval; 'gain, recipe' is the one-recipe grid's gain over the same "
+        "seeds. The tuned arm's choice uses the first seed's validation, so that seed's gain is "
+        "not a held-out estimate.",
+        "",
+        markdown_table(table),
+    ])  # fmt: skip
+
+
+def convergence_probe(
+    config: Config, rows: list[dict[str, Any]], table: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each cell of ``--probe_csv`` (a longer budget) beside this grid's cell of the same head,
+    d and seed: the change of test perplexity in %, and the half-width of the gain interval it
+    is to be read against (at that d: the head's own, or for softmax the widest of the probed
+    heads')."""
+    probed = read_results_csv(Path(config.probe_csv)).values()
+    grid = {(r["head"], r["d"], r["seed"]): r for r in rows if r["status"] == "done"}
+    gains = {(e["head"], e["d"]): e for e in table if e.get("gain_ci") is not None}
+    entries = []
+    for p in sorted(probed, key=lambda r: (r["d"], r["head"] != "softmax", r["head"])):
+        cell = grid.get((p["head"], p["d"], p["seed"]))
+        if cell is None:
+            continue
+        heads = [p["head"]] if p["head"] != "softmax" else [
+            q["head"] for q in probed if q["d"] == p["d"] and q["head"] != "softmax"
+        ]  # fmt: skip
+        widths = [_half_width(gains[(h, p["d"])]) for h in heads if (h, p["d"]) in gains]
+        entries.append({
+            "head": p["head"], "d": p["d"], "seed": p["seed"],
+            "epochs": (cell["epochs"], p["epochs"]),
+            "test_ppl": (cell["test_ppl"], p["test_ppl"]),
+            "change_pct": 100.0 * (p["test_ppl"] - cell["test_ppl"]) / cell["test_ppl"],
+            "half_width": max(widths) if widths else None,
+            "same_device": p["device"] == cell["device"],
+        })  # fmt: skip
+    return entries
+
+
+def _half_width(e: dict[str, Any]) -> float:
+    low, high = e["gain_ci"]
+    return (high - low) / 2
+
+
+def _probe_text(entries: list[dict[str, Any]], config: Config) -> str:
+    if not entries:
+        return f"Convergence probe: no cell of {config.probe_csv} has its grid cell yet."
+    table = [
+        {
+            "d": e["d"],
+            "head": e["head"],
+            "seed": e["seed"],
+            "epochs (grid → probe)": f"{e['epochs'][0]} → {e['epochs'][1]}",
+            "test ppl (grid → probe)": f"{e['test_ppl'][0]:.2f} → {e['test_ppl'][1]:.2f}",
+            "change (%)": f"{e['change_pct']:+.2f}",
+            "gain's half-width (%)": "—" if e["half_width"] is None else f"{e['half_width']:.2f}",
+            "within": (
+                "—" if e["half_width"] is None
+                else "yes" if abs(e["change_pct"]) < e["half_width"] else "no"
+            ),
+            "device": "same" if e["same_device"] else "differs",
+        }
+        for e in entries
+    ]  # fmt: skip
+    return "\n".join([
+        "**Convergence probe**: cells retrained with a longer budget and the same schedule's "
+        f"shape ({config.probe_csv}) beside the grid's; 'within' says whether the change of "
+        f"test perplexity is smaller than the half-width of the gain's {1 - ALPHA:.0%} interval "
+        "at that d (for softmax, the widest of the probed heads'), i.e. whether a longer budget "
+        "moves a cell less than the comparisons can resolve.",
+        "",
+        markdown_table(table),
+    ])  # fmt: skip
 
 
 def _design_text(table: list[dict[str, Any]], done: list[dict[str, Any]], config: Config) -> str:

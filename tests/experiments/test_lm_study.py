@@ -532,6 +532,67 @@ def test_report_gives_intervals_holm_power_trend_and_device_crossings():
     assert grid[2]["d = 32"].endswith("(3/3)†") and not grid[2]["d = 16"].endswith("†")
 
 
+def _csv_row(head, d, seed, test, valid=None, lr=None, dropout=None, epochs=13):
+    return {"corpus": "ptb", "model": "transformer", "vocab_size": None, "head": head, "d": d,
+            "seed": seed, "status": "done", "valid_ppl": valid or test, "test_ppl": test,
+            "epochs": epochs, "best_epoch": epochs, "stop_reason": "epoch budget (13)",
+            "converged": False, "seconds_per_epoch": 1.0, "train_seconds": 13.0, "params": 10,
+            "valid_curve": "3.0 2.0", "commit": "abc", "config_sha": f"{head}{d}{seed}{lr}",
+            "device": "cpu (X)", "lr": lr, "dropout": dropout}  # fmt: skip
+
+
+def test_the_tuned_arm_picks_each_head_s_setting_by_its_first_seed(tmp_path):
+    """Two settings besides the recipe's at d = 128, seeds 1-3: each head takes the setting of
+    its best seed-1 validation (softmax the recipe, plif lr 0.001), and plif's tuned gain is
+    over softmax at softmax's choice, paired by seed, beside the recipe's gain on those seeds."""
+    config = lm_study.Config(heads=("softmax", "plif"), ds=(128,), seeds=(1, 2, 3, 4), rank_d=None,
+                             results_csv=str(tmp_path / "grid.csv"),
+                             tuned_csvs=(str(tmp_path / "lr1e-3.csv"), str(tmp_path / "p0.2.csv")))  # fmt: skip
+    recipe = {"softmax": [100.0, 101.0, 102.0, 103.0], "plif": [104.0, 103.0, 106.0, 107.0]}
+    grid = [_csv_row(h, 128, s, p) for h, ps in recipe.items() for s, p in enumerate(ps, 1)]
+    tuned = {  # (csv, lr, dropout): head: seed-1 validation, test ppl of seeds 1-3
+        ("lr1e-3.csv", 0.001, 0.1): {"softmax": (105.0, [101, 102, 103]), "plif": (95.0, [98.0, 97.0, 99.5])},
+        ("p0.2.csv", 0.003, 0.2): {"softmax": (101.0, [99, 99, 99]), "plif": (99.0, [90.0, 90.0, 90.0])},
+    }  # fmt: skip
+    for row in grid:
+        lm_study.merge_results_csv(Path(config.results_csv), row)
+    for (name, lr, dropout), heads in tuned.items():
+        for head, (valid, tests) in heads.items():
+            for seed, test in enumerate(tests, 1):
+                row = _csv_row(head, 128, seed, test, valid if seed == 1 else test, lr, dropout)
+                lm_study.merge_results_csv(tmp_path / name, row)
+    rows = [{**r, "status": "done"} for r in lm_study.read_results_csv(Path(config.results_csv)).values()]
+    entries = {e["head"]: e for e in lm_study.tuned_arm(config, rows)}
+    recipe_setting = (config.trunk.optimizer.lr, lm_study.main_dropout(config.trunk.model))
+    assert entries["softmax"]["setting"] == recipe_setting  # 100 < 101 < 105 at seed 1
+    assert entries["plif"]["setting"] == (0.001, 0.1)  # 95 < 99 < 104
+    assert entries["plif"]["seeds"] == [1, 2, 3]  # the arm's seeds, not the grid's fourth
+    gains = [100 * (b - h) / b for b, h in zip(recipe["softmax"], [98.0, 97.0, 99.5])]
+    np.testing.assert_allclose(entries["plif"]["tuned"]["gain_pct"], np.mean(gains))
+    recipe_gains = [100 * (b - h) / b for b, h in zip(recipe["softmax"], recipe["plif"])][:3]
+    np.testing.assert_allclose(entries["plif"]["recipe"]["gain_pct"], np.mean(recipe_gains))
+    text = lm_study._tuned_text(list(entries.values()), config)
+    assert "lr 0.001, dropout 0.1" in text and "95.00" in text
+
+
+def test_the_convergence_probe_compares_a_longer_budget_with_the_gain_s_half_width(tmp_path):
+    config = lm_study.Config(heads=("softmax", "mos"), ds=(32,), seeds=(1, 2, 3), rank_d=None,
+                             probe_csv=str(tmp_path / "probe.csv"))  # fmt: skip
+    rows = [_csv_row("softmax", 32, s, 100.0 + s) for s in (1, 2, 3)]
+    rows += [_csv_row("mos", 32, s, p) for s, p in zip((1, 2, 3), (99.0, 100.0, 103.0))]
+    table = lm_study.summarize(rows, config)
+    (mos,) = [e for e in table if e["head"] == "mos"]
+    half = (mos["gain_ci"][1] - mos["gain_ci"][0]) / 2
+    lm_study.merge_results_csv(tmp_path / "probe.csv", _csv_row("softmax", 32, 1, 100.5, epochs=26))
+    lm_study.merge_results_csv(tmp_path / "probe.csv", _csv_row("mos", 32, 1, 90.0, epochs=26))
+    entries = {e["head"]: e for e in lm_study.convergence_probe(config, rows, table)}
+    np.testing.assert_allclose(entries["softmax"]["change_pct"], 100 * (100.5 - 101) / 101)
+    np.testing.assert_allclose(entries["mos"]["change_pct"], 100 * (90 - 99) / 99)
+    assert entries["softmax"]["half_width"] == entries["mos"]["half_width"] == half
+    text = lm_study._probe_text(list(entries.values()), config)
+    assert "13 → 26" in text and "| yes " in text and "| no " in text
+
+
 def test_the_fixed_embedding_keeps_the_trunk_across_d_under_digests_of_its_own(capsys):
     fixed = parse_config(lm_study.Config, lm_study.PRESETS, ["--embedding", "fixed"])
     factorized = parse_config(lm_study.Config, lm_study.PRESETS, [])
