@@ -908,7 +908,9 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     recipe = {(r["head"], r["seed"]): r for r in rows if r["status"] == "done" and r["d"] == d}
     entries, chosen_cells = [], {}
     for head in config.heads:
-        first = {s: cells[(head, first_seed)] for s, cells in arms.items() if (head, first_seed) in cells}
+        first = {
+            s: cells[(head, first_seed)] for s, cells in arms.items() if (head, first_seed) in cells
+        }
         if not first:
             continue
         chosen = min(first, key=lambda s: first[s]["valid_ppl"])
@@ -927,7 +929,8 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
         paired = e["tuned"].get("gain_seeds", [])
         if all((h, s) in recipe for h in ("softmax", e["head"]) for s in paired) and paired:
             e["recipe"] = _paired_gains(
-                [recipe[(e["head"], s)] for s in paired], {s: recipe[("softmax", s)] for s in paired}
+                [recipe[(e["head"], s)] for s in paired],
+                {s: recipe[("softmax", s)] for s in paired},
             )
     return entries
 

@@ -561,15 +561,20 @@ def test_the_tuned_arm_picks_each_head_s_setting_by_its_first_seed(tmp_path):
             for seed, test in enumerate(tests, 1):
                 row = _csv_row(head, 128, seed, test, valid if seed == 1 else test, lr, dropout)
                 lm_study.merge_results_csv(tmp_path / name, row)
-    rows = [{**r, "status": "done"} for r in lm_study.read_results_csv(Path(config.results_csv)).values()]
+    rows = [
+        {**r, "status": "done"}
+        for r in lm_study.read_results_csv(Path(config.results_csv)).values()
+    ]
     entries = {e["head"]: e for e in lm_study.tuned_arm(config, rows)}
     recipe_setting = (config.trunk.optimizer.lr, lm_study.main_dropout(config.trunk.model))
     assert entries["softmax"]["setting"] == recipe_setting  # 100 < 101 < 105 at seed 1
     assert entries["plif"]["setting"] == (0.001, 0.1)  # 95 < 99 < 104
     assert entries["plif"]["seeds"] == [1, 2, 3]  # the arm's seeds, not the grid's fourth
-    gains = [100 * (b - h) / b for b, h in zip(recipe["softmax"], [98.0, 97.0, 99.5])]
+    gains = [100 * (b - h) / b for b, h in zip(recipe["softmax"], [98.0, 97.0, 99.5], strict=False)]
     np.testing.assert_allclose(entries["plif"]["tuned"]["gain_pct"], np.mean(gains))
-    recipe_gains = [100 * (b - h) / b for b, h in zip(recipe["softmax"], recipe["plif"])][:3]
+    recipe_gains = [
+        100 * (b - h) / b for b, h in zip(recipe["softmax"], recipe["plif"], strict=True)
+    ][:3]
     np.testing.assert_allclose(entries["plif"]["recipe"]["gain_pct"], np.mean(recipe_gains))
     text = lm_study._tuned_text(list(entries.values()), config)
     assert "lr 0.001, dropout 0.1" in text and "95.00" in text
@@ -579,7 +584,9 @@ def test_the_convergence_probe_compares_a_longer_budget_with_the_gain_s_half_wid
     config = lm_study.Config(heads=("softmax", "mos"), ds=(32,), seeds=(1, 2, 3), rank_d=None,
                              probe_csv=str(tmp_path / "probe.csv"))  # fmt: skip
     rows = [_csv_row("softmax", 32, s, 100.0 + s) for s in (1, 2, 3)]
-    rows += [_csv_row("mos", 32, s, p) for s, p in zip((1, 2, 3), (99.0, 100.0, 103.0))]
+    rows += [
+        _csv_row("mos", 32, s, p) for s, p in zip((1, 2, 3), (99.0, 100.0, 103.0), strict=True)
+    ]
     table = lm_study.summarize(rows, config)
     (mos,) = [e for e in table if e["head"] == "mos"]
     half = (mos["gain_ci"][1] - mos["gain_ci"][0]) / 2

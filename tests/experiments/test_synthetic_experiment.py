@@ -184,7 +184,9 @@ def test_ctrl_c_keeps_the_finished_runs_and_a_rerun_goes_on_from_them(tmp_path):
     assert [r["seed"] for r in runs] == [0, 1] and runs[0] == kept[0]
     assert "partial" not in (out / "results.md").read_text().splitlines()[0]
     before = results.read_text()
-    other = subprocess.run([*args, "--num_outcomes", "65"], cwd=ROOT, capture_output=True, text=True)
+    other = subprocess.run(
+        [*args, "--num_outcomes", "65"], cwd=ROOT, capture_output=True, text=True
+    )
     assert other.returncode == 2 and "num_outcomes: 64 -> 65" in other.stderr
     assert results.read_text() == before
 
