@@ -12,11 +12,25 @@ tied embeddings, for the heads
 * ``mos_awd``: K = 15 components on the AWD-LSTM model itself (latents of 400), for reference;
 * ``mixtape`` (Yang et al. 2019: K = 4, sigmoid-tree gates, one softmax over gated logits) and
   ``mos_k4`` (MoS at the same K = 4), both on MoS's PTB sizes: Mixtape's cost against softmax
-  and against MoS at the same K (no gate sharing: this benchmark has no corpus counts).
+  and against MoS at the same K, without gate sharing;
+* ``mixtape_shared``: the same Mixtape with gate sharing (words seen fewer than 100 times in
+  training share one gate; the counts are PTB's with ``--data_dir``, else a Zipf law);
+* ``softmax_mos``: softmax on the model nearest MoS's sizes (280/960, its last layer 280 wide
+  for the tied decoder): the heads on MoS's sizes are also given as ratios to it
+  (``to softmax_mos``), their own cost without the trunk's difference, and Mixtape with sharing
+  meets its target against it where it is timed.
 
 All candidates are timed interleaved in one process (``benchmarks/_timing.py``); the ratio of a
 head is the median over repetitions of its step time over softmax's in the same repetition.
-Targets (Ganea et al.'s slides: PLIF +17% per epoch, MoS 2.5x): PLIF <= 1.10x, MoS <= 2.5x.
+Targets (Ganea et al.'s slides: PLIF +17% per epoch, MoS 2.5x; Yang et al. 2019: Mixtape
+1.2-1.34x): PLIF <= 1.10x, MoS <= 2.5x, Mixtape with sharing <= 1.2x.
+
+``--model transformer`` times another comparison instead: the softmax step of
+``language_model.py --preset transformer-cpu`` (vocabulary 2,000, width 128, 4 layers, RoPE,
+RMSNorm, AdamW, batch 32 x 64) against the same step in PyTorch
+(``benchmarks/_torch_transformer.py``) at each ``--torch-threads``, written to
+``benchmarks/results/transformer_step.json`` by default. Stop other jobs first: a PyTorch run
+whose OpenMP threads share busy cores spins (20x slower with 2 threads beside a 2-thread job).
 
 Timed in the same interleaved repetitions, for the softmax step (issue 13):
 
@@ -38,7 +52,7 @@ XLA's two threads lose a core to other jobs before a one-thread PyTorch does.
 Run from the repository root (``--repeats 5``: about 1.5 minutes on 2 Zen 5 cores):
 
     python benchmarks/lm_step.py [--quick | --repeats N] [--heads softmax,plif] [--torch-threads 1,2]
-        [--out benchmarks/results/lm_step.json]
+        [--data_dir PTB_DIR] [--model transformer] [--out benchmarks/results/lm_step.json]
 
 ``--quick`` times 3 repetitions instead of 10. The markdown table is printed and saved next to
 the JSON file with the suffix ``.md``.
@@ -56,6 +70,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _shapes import token_counts
 from _timing import (
     machine_info,
     markdown_table,
@@ -72,7 +87,7 @@ import bottleneck.nn.awd_lstm as awd_lstm
 from bottleneck.data import BpttWindow
 from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel, LSTMState
 from bottleneck.train import Trainer, make_optimizer
-from bottleneck.train.lm import pad_window
+from bottleneck.train.lm import Window, pad_window
 
 VOCAB, BATCH, BPTT = 10_000, 20, 70
 AWD = {"emsize": 400, "nhid": 1150, "nlayers": 3, "dropout": 0.4, "dropouth": 0.25,
@@ -86,9 +101,18 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "mos": ("mos", {**MOS_PTB, "num_components": 15}),
     "mos_awd": ("mos", {**AWD, "num_components": 15}),
     "mixtape": ("mixtape", {**MOS_PTB, "num_components": 4}),
+    # + token_counts (PTB's with --data_dir, else a Zipf law): Yang et al. 2019's gate sharing
+    "mixtape_shared": ("mixtape", {**MOS_PTB, "num_components": 4, "shared_gate_below": 100.0}),
     "mos_k4": ("mos", {**MOS_PTB, "num_components": 4}),
+    # softmax's model nearest MoS's sizes (a tied softmax decodes the last layer: 280 wide)
+    "softmax_mos": (
+        "softmax",
+        {**{k: v for k, v in MOS_PTB.items() if k != "dropoutl"}, "nhidlast": 280},
+    ),  # fmt: skip
 }
-TARGETS = {"plif": 1.10, "mos": 2.5}
+# The heads on MoS's sizes, whose ratio to softmax_mos (where timed) is the head's own cost.
+MOS_SIZED = ("mos", "mixtape", "mixtape_shared", "mos_k4", "softmax_mos")
+TARGETS = {"plif": 1.10, "mos": 2.5, "mixtape_shared": 1.2}
 
 
 def lstm_scan_autodiff(
@@ -196,9 +220,12 @@ def floor_call(options: dict[str, Any]) -> Callable[[], Any]:
     return lambda: compiled(layers, table, x, d_logits)
 
 
-def step_call(name: str, window: Any) -> Callable[[], Any]:
-    """A zero-argument call running one training step of candidate ``name``."""
+def step_call(name: str, window: Any, counts: np.ndarray | None = None) -> Callable[[], Any]:
+    """A zero-argument call running one training step of candidate ``name`` (``counts``: the
+    training counts of gate sharing)."""
     head, options = CANDIDATES[name]
+    if "shared_gate_below" in options:
+        options = {**options, "token_counts": counts}
     model = AWDLSTM(VOCAB, head=head, rngs=nnx.Rngs(0), **options)
     tx = make_optimizer(
         30.0,
@@ -232,8 +259,19 @@ def main() -> None:
         default="1,2",
         help="comma-separated torch.set_num_threads values: one PyTorch reference per value",
     )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lm_step.json"))
+    parser.add_argument(
+        "--data_dir", type=Path, help="PTB's folder: mixtape_shared's counts (else a Zipf law)"
+    )
+    parser.add_argument(
+        "--model", choices=("awd_lstm", "transformer"), default="awd_lstm",
+        help="transformer: the transformer-cpu softmax step against its PyTorch peer instead",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None, help="default benchmarks/results/")
     args = parser.parse_args()
+    if args.model == "transformer":
+        transformer_main(args, parser)
+        return
+    args.out = args.out or Path("benchmarks/results/lm_step.json")
     names = [name.strip() for name in args.heads.split(",") if name.strip()]
     unknown = sorted(set(names) - set(CANDIDATES))
     if unknown:
@@ -250,7 +288,8 @@ def main() -> None:
 
     ids = np.random.default_rng(0).integers(0, VOCAB, (BPTT + 1, BATCH)).astype(np.int32)
     window = pad_window(BpttWindow(ids[:-1], ids[1:], BPTT, 1.0), BPTT)
-    calls = {name: step_call(name, window) for name in names}
+    counts, counts_source = token_counts(args.data_dir, VOCAB)
+    calls = {name: step_call(name, window, counts) for name in names}
     baseline = step_call("softmax", window)
 
     def before() -> Any:
@@ -295,17 +334,21 @@ def main() -> None:
         }
         for name in names
     }
-    for result in results.values():
+    for name, result in results.items():
+        if name in MOS_SIZED and "softmax_mos" in times:
+            result["ratio_to_softmax_mos"] = median_ratio(times[name], times["softmax_mos"])
+        # A head on MoS's sizes meets its target against softmax on those sizes where timed.
+        ratio = result.get("ratio_to_softmax_mos", result["ratio_to_softmax"])
         target = result["target_ratio"]
-        result["meets_target"] = None if target is None else result["ratio_to_softmax"] <= target
-    header = ["head", "model", "step ms", "ratio to softmax", "target"]
+        result["meets_target"] = None if target is None else ratio <= target
+    header = ["head", "model", "step ms", "ratio to softmax", "to softmax_mos", "target"]
     rows = [
         [
             name,
-            "MoS PTB sizes (280/960/620), K=15" if name == "mos" else
-            "AWD-LSTM 400/1150" + (", K=15" if name == "mos_awd" else ""),
+            _model_label(name),
             result["step_ms"],
             f"{result['ratio_to_softmax']:.2f}",
+            f"{result['ratio_to_softmax_mos']:.2f}" if "ratio_to_softmax_mos" in result else "",
             "" if result["target_ratio"] is None else
             f"<= {result['target_ratio']:.2f} ({'met' if result['meets_target'] else 'missed'})",
         ]
@@ -362,6 +405,91 @@ def main() -> None:
             },
             "torch": torch_note,
             "cores_usable": len(os.sched_getaffinity(0)),
+            "mixtape_shared_counts": counts_source,
+        },
+        table,
+    )
+
+
+def _model_label(name: str) -> str:
+    head, options = CANDIDATES[name]
+    if name not in MOS_SIZED:
+        return "AWD-LSTM 400/1150" + (f", K={options['num_components']}" if head == "mos" else "")
+    sizes = f"{options['emsize']}/{options['nhid']}/{options['nhidlast']}"
+    k = f", K={options['num_components']}" if "num_components" in options else ""
+    return f"MoS PTB sizes ({sizes}){k}" + (
+        ", shared @100" if "shared_gate_below" in options else ""
+    )
+
+
+def transformer_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--model transformer``: the transformer-cpu preset's softmax step (``language_model.py
+    --preset transformer-cpu``: vocabulary 2,000, width 128, 4 layers, RoPE, RMSNorm, AdamW,
+    batch 32 x 64) against the same step in PyTorch at each ``--torch-threads``."""
+    from experiments import language_model
+
+    try:
+        import torch
+        from _torch_transformer import torch_transformer_step_call
+    except ImportError:
+        parser.error("--model transformer compares with PyTorch: pip install -e '.[bench]'")
+    threads = sorted({int(n) for n in args.torch_threads.split(",") if n.strip().isdigit()})
+    if not threads or threads[0] < 1:
+        parser.error(f"--torch-threads takes positive integers, got {args.torch_threads!r}")
+    config = language_model.PRESETS["transformer-cpu"]
+    model, data, optimizer = config.model, config.data, config.optimizer
+    vocab = data.vocab_size
+    tokens = np.random.default_rng(0).integers(0, vocab, (data.batch_size, data.bptt + 1))
+    inputs, targets = tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
+    trainer = Trainer(
+        language_model.build_model(config, vocab),
+        optimizer.transformation(plif=False, total_steps=10_000),
+        seed=0,
+    )
+    window = Window(inputs=inputs, targets=targets, length=np.int32(data.bptt))
+    calls: dict[str, Callable[[], Any]] = {
+        "ours": lambda: trainer.window_step(None, window, 1.0, averaging=False)[1]
+    }
+    peer = torch_transformer_step_call(
+        inputs, targets, vocab_size=vocab, d_model=model.d_model, num_heads=model.num_heads,
+        d_ff=model.d_ff, num_layers=model.num_layers, dropout=model.residual_dropout,
+        lr=optimizer.lr, weight_decay=optimizer.weight_decay, clip=optimizer.clip,
+    )  # fmt: skip
+    for n in threads:
+
+        def call(n: int = n) -> float:
+            torch.set_num_threads(n)
+            return peer()
+
+        calls[f"torch_{n}t"] = call
+    repeats = args.repeats or (3 if args.quick else 10)
+    load_before = os.getloadavg()
+    with tqdm(total=len(calls) * (repeats + 1), desc="timing", unit="step") as progress:
+        times = time_interleaved(calls, repeats, on_call=progress.update)
+    load_after = os.getloadavg()
+    ms = medians(times)
+    rows = [[name, ms[name], f"{median_ratio(times['ours'], times[name]):.2f}"] for name in calls]
+    table = markdown_table(["step", "ms (median)", "ours / it"], rows)
+    table += (
+        f"\nPyTorch {torch.__version__}; XLA:CPU uses every core ({os.cpu_count()} CPUs); load "
+        f"average {load_before[0]:.1f} before, {load_after[0]:.1f} after (1 min)\n"
+    )
+    print(table, end="")
+    write_results(
+        args.out or Path("benchmarks/results/transformer_step.json"),
+        {
+            "benchmark": "lm_step --model transformer",
+            "machine": machine_info(),
+            "preset": "transformer-cpu (softmax head)",
+            "step": "one Trainer.window_step / one PyTorch step: dropout, forward, loss, "
+            "backward, clip, AdamW",
+            "ratio": "median over repetitions of ours / the other, same repetition",
+            "repeats": repeats,
+            "load_average": [load_before, load_after],
+            "step_ms": ms,
+            "ours_over": {name: median_ratio(times["ours"], times[name]) for name in calls},
+            "times_ms": times,
+            "torch": torch.__version__,
         },
         table,
     )
