@@ -8,7 +8,7 @@ mode matching (% of contexts whose most likely outcome is right), cross-entropy,
 the numerical / effective rank of the learned log-probability matrix; then their mean +- std
 over the seeds (``--seeds``, three by default: each seed draws its own P* and initialisation).
 
-    python experiments/synthetic.py                  # default grid, about a minute a seed on 2 CPU cores
+    python experiments/synthetic.py                  # default grid: ~4 minutes on 2 CPU cores
     python experiments/synthetic.py --preset smoke   # seconds
     python experiments/synthetic.py --preset paper   # larger grid, hours
 
