@@ -413,7 +413,9 @@ def generate(
         one component, no pointwise map, the softmax normalizer). Host-side: the model runs one
         jitted step at a time and each row draws tokens in Gumbel order (the same draw as
         without BAT) until one is kept, the argmax if none; a drawn token below ``tau`` costs a
-        linear program unless a cheap certificate keeps it (seconds at ``M = 10,000``).
+        linear program unless a cheap certificate keeps or discards it (seconds at
+        ``M = 10,000``). A progress bar appears on stderr once a draw takes seconds; Ctrl-C
+        stops it at once.
 
     Returns:
       ``[B, N]`` int32 sampled ids (the prompt not included).
@@ -478,9 +480,11 @@ def _generate_bat(
     num_tokens: int,
 ) -> jax.Array:
     """:func:`generate` with basis-aware truncation: a host loop over jitted steps."""
+    from tqdm.auto import tqdm
+
     from bottleneck.nn.heads import OutputHead
     from bottleneck.nn.pieces import NORMALIZERS
-    from bottleneck.truncation import bat_keep_mask
+    from bottleneck.truncation import BatProblem
 
     head = getattr(model, "head", None)
     if not (
@@ -508,7 +512,10 @@ def _generate_bat(
     log_probs, state = _prefill(model, state, jnp.asarray(prompt, jnp.int32))
     keys = jax.random.split(key, num_tokens)
     tokens = []
-    for step in range(num_tokens):
+    # Shown only once a draw has taken a few seconds (a linear program can take tens of them).
+    bar = tqdm(range(num_tokens), desc="BAT", unit="token", delay=3, leave=False)
+    programs = 0
+    for step in bar:
         if step:
             log_probs, state = _decode_step(model, state, jnp.asarray(tokens[-1]))
         filtered = np.asarray(_jit_filter(log_probs, *filter_options))
@@ -521,11 +528,15 @@ def _generate_bat(
             order = np.argsort(-ranked[row], kind="stable")
             order = order[np.isfinite(filtered[row, order])]
             chosen[row] = np.argmax(filtered[row])  # if BAT keeps none of them
+            problem = BatProblem(model_log_probs[row], decoder, tau)
             for token in order:
-                if bat_keep_mask(model_log_probs[row], decoder, tau=tau, tokens=[token])[0]:
+                if problem.keep(int(token)):
                     chosen[row] = token
                     break
+            programs += problem.programs
+            bar.set_postfix(row=row, linear_programs=programs, refresh=False)
         tokens.append(chosen)
+    bar.close()
     return jnp.asarray(np.stack(tokens, axis=1), jnp.int32)
 
 

@@ -1,6 +1,10 @@
 """bn.bat_keep_mask (basis-aware truncation) against an independent linear program, a case solved
 by hand and the threshold rule it reduces to; bn.generate's bat_tau option."""
 
+import signal
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +13,7 @@ from flax import nnx
 from scipy.optimize import linprog
 
 import bottleneck as bn
+from bottleneck import truncation
 from bottleneck.nn import AWDLSTM, Transformer
 
 
@@ -59,6 +64,45 @@ def test_zero_decoder_is_the_threshold_rule_and_every_token_above_tau_stays():
         np.testing.assert_array_equal(keep, p >= tau)
     W = rng.normal(size=(30, 4))
     assert bn.bat_keep_mask(np.log(p), W, tau=p.min()).all()  # every token passes: no truncation
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_primal_certificate_discards_only_tokens_a_consistent_law_can_zero(seed):
+    """Where moving token i's mass by least squares keeps every bound, the independent program
+    confirms that p_i can be 0; on these wide vocabularies it decides most of the discards, so
+    that few tokens need a program of their own."""
+    rng = np.random.default_rng(seed)
+    M, d, tau = 300, 4, 0.02
+    W = rng.normal(size=(M, d))
+    logits = W @ rng.normal(size=d) + 0.5 * rng.normal(size=M)
+    log_p = logits - np.log(np.exp(logits).sum())
+    problem = truncation.BatProblem(log_p, W, tau)
+    p = problem.p
+    below = np.flatnonzero(p < tau)
+    certified = [i for i in below if problem._moved_mass_fits(int(i))]
+    assert len(certified) > len(below) // 2
+    for i in certified[:: max(1, len(certified) // 12)]:
+        assert min_probability(p, W, tau, i) < 1e-9
+    keep = np.array([problem.keep(int(i)) for i in range(M)])
+    assert problem.programs < len(below) - len(certified) + 1  # only the undecided ones
+    np.testing.assert_array_equal(keep, bn.bat_keep_mask(log_p, W, tau=tau))
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="signals need the main thread"
+)
+def test_ctrl_c_interrupts_a_long_program(monkeypatch):
+    """A program that would run for a minute: SIGINT raises KeyboardInterrupt within a second."""
+    monkeypatch.setattr(truncation, "linprog", lambda *a, **k: time.sleep(60))
+    problem = truncation.BatProblem(np.log(np.full(4, 0.25)), np.zeros((4, 1)), 0.5)
+    timer = threading.Timer(
+        0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
+    )
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        problem._program_feasible(0)
+    assert time.monotonic() - start < 5
 
 
 def test_bat_bad_inputs_raise():
