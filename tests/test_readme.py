@@ -25,7 +25,8 @@ def _python_blocks(page: pathlib.Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
 
 
-# Pages whose Python blocks a reader pastes: each runs top to bottom in a namespace of its own.
+# Pages whose Python blocks a reader pastes: each page runs top to bottom in a namespace of its
+# own, and each of the README's blocks alone.
 @pytest.mark.parametrize(
     "page", [p for p in PAGES if _python_blocks(p)], ids=lambda p: str(p.relative_to(ROOT))
 )
@@ -35,7 +36,8 @@ def test_python_blocks_run(page):
     # which optax's Adam does not support (its bias correction raises a float to an int32 power).
     with jax.numpy_dtype_promotion("standard"):
         for block in _python_blocks(page):
-            exec(compile(block, str(page), "exec"), namespace)
+            # The README's snippets are pasted one at a time: each has its own imports.
+            exec(compile(block, str(page), "exec"), {} if page == README else namespace)
 
 
 def test_every_relative_link_of_the_readme_and_guides_exists():
