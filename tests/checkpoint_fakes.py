@@ -1,5 +1,5 @@
 """Stand-ins for tests of bottleneck/train/checkpoint.py: an older commit's checkpoint writer,
-and a full disk for machines where a test cannot mount a small filesystem."""
+and a full disk (TensorStore's own error, as a real full tmpfs raised it; no test mounts one)."""
 
 from __future__ import annotations
 

@@ -407,10 +407,19 @@ def test_check_head_draws_no_parameters_and_names_the_presets_option():
         nn.check_heads(("monotone_mlp",), num_components=1, num_hidden=0)
 
 
-def test_two_knots_and_two_components_are_accepted():
-    make("plif", num_knots=2)
-    make("mos", num_components=2)
-    make("mos_plif", num_components=2, num_knots=2)
+def test_two_knots_and_two_components_are_the_smallest_accepted():
+    """The least each option allows builds a head of that size, which normalizes (one knot or
+    one component is refused: test_degenerate_options_are_refused)."""
+    h, _, _ = _inputs()
+    for name, options in (("plif", {"num_knots": 2}), ("mos", {"num_components": 2}),
+                          ("mos_plif", {"num_components": 2, "num_knots": 2})):  # fmt: skip
+        head = make(name, **options)
+        shapes = {k: v.shape for k, v in nnx.to_flat_state(nnx.state(head, nnx.Param))}
+        if "num_knots" in options:
+            assert shapes[("pointwise", "raw_slopes")] == (2,)
+        if "num_components" in options:
+            assert shapes[("prior", "kernel")] == (D, 2)
+        np.testing.assert_allclose(jnp.exp(head(h)).sum(-1), 1.0, rtol=1e-5)
 
 
 # M itself, far beyond M, negative (jnp indexing would wrap it to the last class).
