@@ -20,6 +20,7 @@ draws.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -136,7 +137,8 @@ class BatProblem:
     alternating projections from the least-squares move of token ``i``'s mass onto the others,
     :meth:`_moved_mass_fits`), and only then HiGHS's linear program, run in a worker thread
     so that Ctrl-C stops the caller at once (the program finishes in the background).
-    ``programs`` counts the programs solved. The moments' Gram matrix is computed once.
+    ``programs`` counts the programs solved. The moments' Gram matrix is computed once, when a
+    token first needs it.
     """
 
     def __init__(self, log_probs: np.ndarray, W: np.ndarray, tau: float) -> None:
@@ -145,10 +147,22 @@ class BatProblem:
         self.p = p / p.sum()
         self.W = np.asarray(W, np.float64)
         self.tau, self.c = tau, tau / (1 - tau)
-        self.mean = self.W.T @ self.p
-        self.a = np.hstack([self.W, np.ones((len(p), 1))])  # a_j = (w_j, 1): moments and mass
-        self.gram = (self.a * self.p[:, None]).T @ self.a  # sum_j p_j a_j a_j^T
         self.programs = 0
+
+    # Computed when a token below tau first needs them: most drawn tokens are kept at once.
+    @functools.cached_property
+    def mean(self) -> np.ndarray:
+        return self.W.T @ self.p
+
+    @functools.cached_property
+    def a(self) -> np.ndarray:
+        """``a_j = (w_j, 1)``: a token's moments and its mass, ``[M, d + 1]``."""
+        return np.hstack([self.W, np.ones((len(self.p), 1))])
+
+    @functools.cached_property
+    def gram(self) -> np.ndarray:
+        """``sum_j p_hat_j a_j a_j^T``, ``[d + 1, d + 1]``."""
+        return (self.a * self.p[:, None]).T @ self.a
 
     def keep(self, i: int) -> bool:
         p, tau = self.p, self.tau
