@@ -4,6 +4,7 @@ by hand and the threshold rule it reduces to; bn.generate's bat_tau option."""
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,8 @@ def test_the_primal_certificate_discards_only_tokens_a_consistent_law_can_zero(s
 )
 def test_ctrl_c_interrupts_a_long_program(monkeypatch):
     """A program that would run for a minute: SIGINT raises KeyboardInterrupt within a second."""
-    monkeypatch.setattr(truncation, "linprog", lambda *a, **k: time.sleep(60))
+    slow = SimpleNamespace(status=2)  # what the program would answer, a minute later
+    monkeypatch.setattr(truncation, "linprog", lambda *a, **k: time.sleep(60) or slow)
     problem = truncation.BatProblem(np.log(np.full(4, 0.25)), np.zeros((4, 1)), 0.5)
     timer = threading.Timer(
         0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
