@@ -271,7 +271,8 @@ def one_line_errors(
     The line is ``NAME.py: error: MESSAGE`` on stderr, ``NAME.py`` the file that defines
     ``program`` (a config or its class); the exit status is 2 for a usage error, else the one
     ``statuses`` gives the exception's class. A :class:`~bottleneck.train.run_folder.TrainingInterrupted`
-    run ends quietly with its ``exit_code``, as does output cut short by a closed pipe (status 1).
+    run ends quietly with its ``exit_code``, as does output cut short by a closed pipe (status 1);
+    Ctrl-C anywhere else ends it with ``NAME.py: interrupted`` and status 130, no traceback.
     """
     statuses = {UsageError: 2, **(statuses or {})}
     config_cls = program if isinstance(program, type) else type(program)
@@ -285,6 +286,9 @@ def one_line_errors(
         raise SystemExit(status) from None
     except TrainingInterrupted as err:  # StopSignals logged the signal; the checkpoint is saved
         raise SystemExit(err.exit_code) from None
+    except KeyboardInterrupt:  # Ctrl-C where nothing saves (sampling, a diagnostic), or twice
+        print(f"{_program(program)}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
     except BrokenPipeError:  # stdout's reader has gone (--help | head): no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None

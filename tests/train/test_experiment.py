@@ -310,6 +310,11 @@ def test_an_interrupted_run_ends_quietly_with_its_signals_status(capsys):
         raise TrainingInterrupted(128 + signal.SIGTERM)
     assert exit_info.value.code == 143 and capsys.readouterr().err == ""
     assert "rerun the same command" in str(TrainingInterrupted(130))
+    # Ctrl-C where nothing was saving (sampling, BAT's program): one line, status 130.
+    with pytest.raises(SystemExit) as exit_info, one_line_errors(Config()):
+        raise KeyboardInterrupt
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == "test_experiment.py: interrupted\n"
 
 
 def test_show_logs_puts_the_librarys_lines_on_stderr_once(capsys):
