@@ -1,8 +1,8 @@
 """PLIF's backward histogram on this machine: the formulations of its two per-segment sums.
 
 PLIF's slope gradient needs, per segment ``b`` of ``K``, the sums of ``g`` and of ``g * offset``
-over the logits in ``b`` (``bottleneck.monotone._plif_bwd``). Timed here at one loss chunk of the
-study (``--updates`` logits, segments drawn as a PLIF's logits fall at initialisation: a normal
+over the logits in ``b`` (``bottleneck.monotone._plif_bwd``). Timed here at a quarter of the
+study's step (``--updates`` logits, segments drawn as a PLIF's logits fall at initialisation: a normal
 of std ``--spread`` segments around the middle), interleaved, medians in ms:
 
 * ``two``: two scatter-adds of ``[n]`` into ``[K]`` (the library's, ``segment_histogram`` twice);
@@ -70,7 +70,12 @@ def formulations(num_bins: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, default=2048 * 10_000 // 4, help="logits a chunk")
+    parser.add_argument(
+        "--updates",
+        type=int,
+        default=2048 * 10_000 // 4,
+        help="logits (default: a quarter of a study step's)",
+    )
     parser.add_argument("--knots", type=int, default=10_000)
     parser.add_argument("--spread", type=float, default=60.0, help="std of the segments drawn")
     parser.add_argument("--repeats", type=int, default=7)
