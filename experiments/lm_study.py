@@ -51,8 +51,10 @@ again, even on another machine without its folder; ``experiments/lm_study_grid.s
 in the background from a worktree pinned at a commit and commits each row as it lands. A cell
 that fails (say, diverges) is recorded with its error and the grid goes on; rerunning retries it.
 Every cell of a block (one ``d`` and seed: the cells the report compares) trains on one device
-and CPU model, which its row records: where another device began a block, its cells are left
-pending for a machine like it, and the grid goes on with the blocks no device has begun.
+and CPU model, which its row records: where another device finished cells of a block, its other
+cells are left pending for a machine like it, and the grid goes on with the other blocks; a
+cell another device began but did not finish is set aside (``NAME.set-aside-N``) and trained
+afresh, so that no checkpoint resumes on another device.
 
 Writes to --out_dir: config.json; study.json / study.csv (one row per cell: valid / test
 perplexity, epochs, stopping reason, convergence, seconds, parameters, the validation curve, the
@@ -320,12 +322,12 @@ def mark_device(cell: language_model.Config, device: str) -> None:
 def block_devices(
     config: Config, recorded: dict[tuple[str, int, int, str], dict[str, Any]], d: int, seed: int
 ) -> set[str]:
-    """The devices that cells of the block ``(d, seed)`` trained or began training on: their
-    rows in ``recorded`` and their folders' :data:`DEVICE_FILE`.
+    """The devices that trained cells of the block ``(d, seed)`` to the end: their rows in
+    ``recorded`` and their finished folders' :data:`DEVICE_FILE`.
 
     The report compares each head with softmax at one ``d`` and seed, so a block's cells train
-    on one device (and CPU model): a cell whose block another device began waits, pending, for
-    a machine of that device, and the grid goes on with the blocks no device has begun.
+    on one device (and CPU model): a cell whose block another device has finished cells of waits,
+    pending, for a machine of that device, and the grid goes on with the other blocks.
     """
     devices = set()
     for head in config.heads:
@@ -333,10 +335,24 @@ def block_devices(
         row = recorded.get((head, d, seed, config_sha(cell)))
         if row is not None and row.get("device"):
             devices.add(row["device"])
-        path = Path(cell.out_dir) / DEVICE_FILE
-        if path.is_file():
-            devices.add(path.read_text().strip())
+        if (Path(cell.out_dir) / "results.json").is_file() and cell_device(cell):
+            devices.add(cell_device(cell))
     return devices
+
+
+def cell_device(cell: language_model.Config) -> str | None:
+    """The device a cell's folder began training on (:data:`DEVICE_FILE`), if it names one."""
+    path = Path(cell.out_dir) / DEVICE_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
+def set_aside(cell: language_model.Config) -> Path:
+    """Moves a cell's unfinished folder out of the grid's way (``NAME.set-aside-N``)."""
+    root = Path(cell.out_dir)
+    n = 1
+    while root.with_name(f"{root.name}.set-aside-{n}").exists():
+        n += 1
+    return root.rename(root.with_name(f"{root.name}.set-aside-{n}"))
 
 
 def run_cell(cell: language_model.Config) -> dict[str, Any]:
@@ -1635,6 +1651,9 @@ def run_study(config: Config) -> dict[str, Any]:
             rows.append({"head": head, "d": d, "seed": seed, "status": "pending"})
             continue
         print(f"\n=== cell {i + 1}/{len(cells)}: {name} ===", flush=True)
+        began = cell_device(cell)
+        if began not in (None, device):  # nothing of it is recorded: train it afresh here
+            print(f"its checkpoint began on {began}: set aside in {set_aside(cell)}")
         mark_device(cell, device)
         results = run_cell(cell)
         curves[(head, d, seed)] = learning_curve(cell)

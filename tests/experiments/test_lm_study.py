@@ -135,11 +135,11 @@ def test_cells_recorded_in_the_results_csv_are_not_run_again(env, smoke, tmp_pat
     assert "ran " not in stdout
 
 
-def test_a_block_another_device_began_waits_for_a_machine_like_it(env, smoke, tmp_path):
+def test_a_block_another_device_trained_waits_for_a_machine_like_it(env, smoke, tmp_path):
     """Each head is compared with softmax of its d and seed: where softmax-d4-s1 trained on
-    another device, mos-d4-s1 stays pending (never paired across devices) and the grid goes
-    on with seed 2's block, which this machine begins and finishes; a cell folder that another
-    device began defers its block the same way."""
+    another device, mos-d4-s1 stays pending (never paired across devices) and the grid goes on
+    with seed 2's block, which this machine trains; a cell another device began but did not
+    finish is set aside and trained afresh here (no checkpoint resumes on another device)."""
     reference, _ = smoke
     with (reference / "rows.csv").open() as f:
         rows = [r for r in csv.DictReader(f) if r["head"] == "softmax"]
@@ -150,25 +150,22 @@ def test_a_block_another_device_began_waits_for_a_machine_like_it(env, smoke, tm
         writer.writeheader()
         writer.writerows(rows)
     out = tmp_path / "study"
+    begun = out / "cells" / "softmax-d4-s2"  # an unfinished folder of another CPU
+    begun.mkdir(parents=True)
+    (begun / lm_study.DEVICE_FILE).write_text("cpu (Other CPU)\n")
     args = ["--rank_d", "None", "--out_dir", str(out), "--results_csv", str(csv_path)]
     code, stdout, stderr = _run(env, *args, "--seeds", "1", "2")
     assert code == 0, stderr
     assert "mos-d4-s1: deferred: its block (d = 4, seed 1) trained on gpu (Another GPU)" in stdout
+    assert f"its checkpoint began on cpu (Other CPU): set aside in {begun}.set-aside-1" in stdout
     cells = _cells(out)
     assert cells[("mos", 4, 1)]["status"] == "pending"
     assert cells[("softmax", 4, 2)]["status"] == cells[("mos", 4, 2)]["status"] == "done"
     device = cells[("mos", 4, 2)]["device"]
     assert device.startswith("cpu (") and cells[("softmax", 4, 2)]["device"] == device
-    assert (out / "cells" / "mos-d4-s2" / lm_study.DEVICE_FILE).read_text().strip() == device
+    assert (begun / lm_study.DEVICE_FILE).read_text().strip() == device
     assert not (out / "cells" / "mos-d4-s1").exists()
     assert "Partial" in (out / "study.md").read_text()
-    # A folder begun on another device (a checkpoint, no row yet) defers its block's cells.
-    began = tmp_path / "began"
-    (began / "cells" / "softmax-d4-s3").mkdir(parents=True)
-    (began / "cells" / "softmax-d4-s3" / lm_study.DEVICE_FILE).write_text("cpu (Other CPU)\n")
-    code, stdout, stderr = _run(env, "--rank_d", "None", "--out_dir", str(began), "--seeds", "3")
-    assert code == 0, stderr
-    assert stdout.count("deferred") == 2 and not (began / "cells" / "mos-d4-s3").exists()
 
 
 @pytest.fixture(scope="module")
