@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bottleneck.train.lm import Window
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -25,6 +27,13 @@ class Shape:
     @property
     def full_logits_bytes(self) -> int:
         return self.tokens * self.vocab * 4
+
+
+def random_window(vocab: int, batch: int, steps: int) -> Window:
+    """A batch-major ``[batch, steps]`` window of uniform random ids (seed 0) and their next
+    ids as targets: one training step's input for a stateless model."""
+    tokens = np.random.default_rng(0).integers(0, vocab, (batch, steps + 1)).astype(np.int32)
+    return Window(inputs=tokens[:, :-1], targets=tokens[:, 1:], length=np.int32(steps))
 
 
 PTB = Shape("ptb", batch=20, steps=70, dim=400, vocab=10_000)

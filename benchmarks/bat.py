@@ -27,18 +27,18 @@ from _timing import markdown_table, write_results
 from bottleneck import truncation
 
 
-def decide(problem: truncation.BatProblem, token: int, primal: bool) -> tuple[bool, str, float]:
+class WithoutPrimal(truncation.BatProblem):
+    """The decisions as before the primal certificate: the dual one, else a program."""
+
+    def _moved_mass_fits(self, i: int) -> bool:
+        return False
+
+
+def decide(problem: truncation.BatProblem, token: int) -> tuple[bool, str, float]:
     """The decision, the step that made it, and its seconds."""
     start = time.perf_counter()
     programs = problem.programs
-    if primal:
-        keep = problem.keep(token)
-    else:
-        fits, problem._moved_mass_fits = problem._moved_mass_fits, lambda i: False
-        try:
-            keep = problem.keep(token)
-        finally:
-            problem._moved_mass_fits = fits
+    keep = problem.keep(token)
     seconds = time.perf_counter() - start
     if problem.programs > programs:
         how = "program"
@@ -60,8 +60,8 @@ def measure(M: int, d: int, args: argparse.Namespace) -> dict[str, Any]:
     tokens = [int(t) for t in rng.choice(M, size=20 * args.draws, p=p) if below[t]][: args.draws]
     rows = []
     for token in tokens:
-        after = decide(truncation.BatProblem(log_p, W, args.tau), token, primal=True)
-        before = decide(truncation.BatProblem(log_p, W, args.tau), token, primal=False)
+        after = decide(truncation.BatProblem(log_p, W, args.tau), token)
+        before = decide(WithoutPrimal(log_p, W, args.tau), token)
         assert after[0] == before[0], "the certificate changed a decision"
         rows.append({"token": token, "keep": after[0], "after": after[1:], "before": before[1:]})
     after_s = [r["after"][1] for r in rows]

@@ -70,7 +70,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _shapes import token_counts
+from _shapes import random_window, token_counts
 from _timing import (
     machine_info,
     markdown_table,
@@ -87,7 +87,7 @@ import bottleneck.nn.awd_lstm as awd_lstm
 from bottleneck.data import BpttWindow
 from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel, LSTMState
 from bottleneck.train import Trainer, make_optimizer
-from bottleneck.train.lm import Window, pad_window
+from bottleneck.train.lm import pad_window
 
 VOCAB, BATCH, BPTT = 10_000, 20, 70
 AWD = {"emsize": 400, "nhid": 1150, "nlayers": 3, "dropout": 0.4, "dropouth": 0.25,
@@ -279,12 +279,7 @@ def main() -> None:
     if "softmax" not in names:
         names.insert(0, "softmax")  # the reference of every ratio
     repeats = args.repeats or (3 if args.quick else 10)
-    try:
-        torch_threads = [int(n) for n in args.torch_threads.split(",") if n.strip()]
-    except ValueError:
-        torch_threads = []
-    if not torch_threads or min(torch_threads) < 1:
-        parser.error(f"--torch-threads takes positive integers, got {args.torch_threads!r}")
+    torch_threads = parse_torch_threads(args, parser)
 
     ids = np.random.default_rng(0).integers(0, VOCAB, (BPTT + 1, BATCH)).astype(np.int32)
     window = pad_window(BpttWindow(ids[:-1], ids[1:], BPTT, 1.0), BPTT)
@@ -411,6 +406,17 @@ def main() -> None:
     )
 
 
+def parse_torch_threads(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[int]:
+    """``--torch-threads`` as thread counts (a usage error unless positive integers)."""
+    try:
+        threads = [int(n) for n in args.torch_threads.split(",") if n.strip()]
+    except ValueError:
+        threads = []
+    if not threads or min(threads) < 1:
+        parser.error(f"--torch-threads takes positive integers, got {args.torch_threads!r}")
+    return threads
+
+
 def _model_label(name: str) -> str:
     head, options = CANDIDATES[name]
     if name not in MOS_SIZED:
@@ -433,25 +439,21 @@ def transformer_main(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         from _torch_transformer import torch_transformer_step_call
     except ImportError:
         parser.error("--model transformer compares with PyTorch: pip install -e '.[bench]'")
-    threads = sorted({int(n) for n in args.torch_threads.split(",") if n.strip().isdigit()})
-    if not threads or threads[0] < 1:
-        parser.error(f"--torch-threads takes positive integers, got {args.torch_threads!r}")
+    threads = parse_torch_threads(args, parser)
     config = language_model.PRESETS["transformer-cpu"]
     model, data, optimizer = config.model, config.data, config.optimizer
     vocab = data.vocab_size
-    tokens = np.random.default_rng(0).integers(0, vocab, (data.batch_size, data.bptt + 1))
-    inputs, targets = tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
+    window = random_window(vocab, data.batch_size, data.bptt)
     trainer = Trainer(
         language_model.build_model(config, vocab),
         optimizer.transformation(plif=False, total_steps=10_000),
         seed=0,
     )
-    window = Window(inputs=inputs, targets=targets, length=np.int32(data.bptt))
     calls: dict[str, Callable[[], Any]] = {
         "ours": lambda: trainer.window_step(None, window, 1.0, averaging=False)[1]
     }
     peer = torch_transformer_step_call(
-        inputs, targets, vocab_size=vocab, d_model=model.d_model, num_heads=model.num_heads,
+        window.inputs, window.targets, vocab_size=vocab, d_model=model.d_model, num_heads=model.num_heads,
         d_ff=model.d_ff, num_layers=model.num_layers, dropout=model.residual_dropout,
         lr=optimizer.lr, weight_decay=optimizer.weight_decay, clip=optimizer.clip,
     )  # fmt: skip

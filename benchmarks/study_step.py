@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shapes import token_counts
+from _shapes import random_window, token_counts
 from _timing import (
     machine_info,
     markdown_table,
@@ -115,12 +115,7 @@ def main() -> None:
 
     data = study.trunk.data
     steps_per_epoch = data.steps_per_epoch(np.zeros(PTB_TRAIN_TOKENS, np.int32), SEED)
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (data.batch_size, data.bptt + 1))
-    window = Window(
-        inputs=tokens[:, :-1].astype(np.int32),
-        targets=tokens[:, 1:].astype(np.int32),
-        length=np.int32(data.bptt),
-    )
+    window = random_window(VOCAB, data.batch_size, data.bptt)
     counts, counts_source = token_counts(args.data_dir, VOCAB)
     calls = {
         f"{head}@{d}": step_call(

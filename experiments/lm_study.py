@@ -335,8 +335,9 @@ def block_devices(
         row = recorded.get((head, d, seed, config_sha(cell)))
         if row is not None and row.get("device"):
             devices.add(row["device"])
-        if (Path(cell.out_dir) / "results.json").is_file() and cell_device(cell):
-            devices.add(cell_device(cell))
+        began = cell_device(cell)
+        if began and (Path(cell.out_dir) / "results.json").is_file():
+            devices.add(began)
     return devices
 
 

@@ -329,14 +329,14 @@ def _meant(config_cls: type, flag: str) -> list[str]:
     """The flags of ``config_cls`` close to ``flag`` (a typo, a synonym, a missing group)."""
     if not dataclasses.is_dataclass(config_cls):
         return []
-    counts = Counter(_leaf_names(config_cls))
-    paths = list(_field_paths(config_cls))
+    leaves = {path: path.rsplit(".", 1)[-1] for path in _field_paths(config_cls)}
+    counts = Counter(leaves.values())
     # A nested field answers to its own name where it is unique (_short_flags).
-    names = {p: p.rsplit(".", 1)[-1] if counts[p.rsplit(".", 1)[-1]] == 1 else p for p in paths}
+    names = {path: leaf if counts[leaf] == 1 else path for path, leaf in leaves.items()}
     wanted = flag[2:].partition("=")[0].replace("-", "_")
     last = wanted.rsplit(".", 1)[-1]
     close = set(difflib.get_close_matches(wanted, names.values(), n=3, cutoff=0.75))
-    close |= {n for p, n in names.items() if p.rsplit(".", 1)[-1] in (last, _SYNONYMS.get(last))}
+    close |= {names[path] for path, leaf in leaves.items() if leaf in (last, _SYNONYMS.get(last))}
     return [f"--{n}" for n in close if n != wanted]
 
 

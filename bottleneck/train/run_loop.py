@@ -102,6 +102,8 @@ _COMPILE_EVENTS = frozenset(
     }
 )
 _compiled = [0.0]  # seconds, summed by the listener
+# An epoch's sums before its first step (checkpointed as they grow, so that it resumes).
+NO_PARTIAL_EPOCH = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0, "compile_seconds": 0.0}
 
 
 @functools.cache
@@ -258,7 +260,7 @@ class LanguageModelRun:
         self.epoch = 0  # completed epochs
         self.window = 0  # windows done in the current epoch
         self.carry = trainer.initial_carry(data.batch_size)
-        self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0, "compile_seconds": 0.0}
+        self.partial = dict(NO_PARTIAL_EPOCH)
         self.records: list[dict[str, Any]] = []
         self.saved_step: int | None = None
 
@@ -388,7 +390,7 @@ class LanguageModelRun:
                 self.status = self.status._replace(finished=True)
             self.epoch, self.window = self.epoch + 1, 0
             self.carry = self.trainer.initial_carry(self.data.batch_size)
-            self.partial = {"nll_sum": 0.0, "tokens": 0, "seconds": 0.0, "compile_seconds": 0.0}
+            self.partial = dict(NO_PARTIAL_EPOCH)
             self.save()
             self.run.log_metrics(record)
             logger.info(
