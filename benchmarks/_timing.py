@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from bottleneck.train import code_commit, results_page
+from bottleneck.runs import code_commit, results_page
 
 
 def time_interleaved(

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from bottleneck import nn
 from bottleneck.losses import DEFAULT_MEMORY_BUDGET
-from experiments import lm_study
+from bottleneck.runs import lm_study
 
 # The study's trunk: its batch and its head options, read from the study itself.
 STUDY = lm_study.Config().trunk

@@ -432,7 +432,7 @@ def transformer_main(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     """``--model transformer``: the transformer-cpu preset's softmax step (``language_model.py
     --preset transformer-cpu``: vocabulary 2,000, width 128, 4 layers, RoPE, RMSNorm, AdamW,
     batch 32 x 64) against the same step in PyTorch at each ``--torch-threads``."""
-    from experiments import language_model
+    from bottleneck.runs import language_model
 
     try:
         import torch

@@ -40,9 +40,9 @@ from _timing import (
 )
 from tqdm import tqdm
 
+from bottleneck.runs import language_model, lm_study
 from bottleneck.train import Trainer
 from bottleneck.train.lm import Window
-from experiments import language_model, lm_study
 
 VOCAB = 10_000
 # PTB's training split in tokens (ptb.train.txt's words and one end of sentence per line): the

@@ -376,7 +376,9 @@ def jacobian_gradient_ratio(
     return jnp.reshape(ratios, batch)
 
 
-def head_gradient_ratio(head: Any, h: jax.Array, labels: jax.Array) -> jax.Array:
+def head_gradient_ratio(
+    head: Any, h: jax.Array, labels: jax.Array, *, batch_size: int | None = None
+) -> jax.Array:
     r""":func:`jacobian_gradient_ratio` of an :class:`~bottleneck.nn.OutputHead` under its own loss.
 
     A plain head's log-probabilities are :math:`\mathrm{log\_softmax}(s)` of its scores
@@ -405,10 +407,19 @@ def head_gradient_ratio(head: Any, h: jax.Array, labels: jax.Array) -> jax.Array
       head: an ``OutputHead`` (plain or mixture, including ``MixtapeHead``).
       h: ``[..., d]`` hidden states.
       labels: ``[...]`` integer targets in ``[0, M)``.
+      batch_size: positions measured at once (``jax.lax.map`` over them; each holds a
+        ``[M, d]`` Jacobian); None: all at once.
 
     Returns:
       ``[...]`` ratios in ``[0, 1]``.
     """
+    if batch_size is not None:
+        ratios = jax.lax.map(
+            lambda position: head_gradient_ratio(head, *position),
+            (h.reshape(-1, h.shape[-1]), labels.reshape(-1)),
+            batch_size=batch_size,
+        )
+        return ratios.reshape(labels.shape)
     vocab = head.vocab_size
     if head.is_mixture:
         log_p = head(h)

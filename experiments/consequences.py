@@ -48,8 +48,9 @@ another machine, say a GPU's, whose weights stay there).
 
 from __future__ import annotations
 
-import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
+import softmax_bottleneck  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -63,14 +64,16 @@ import numpy as np
 from flax import nnx
 
 import bottleneck as bn
-from bottleneck.train import UsageError, code_commit, markdown_table, parse_config, progress
-from bottleneck.train.experiment import Checked, Count, one_line_errors
-from bottleneck.train.run_folder import results_page
-from experiments.generate import load_run
-from experiments.logit_spread import head_inputs
+from bottleneck.runs import UsageError, code_commit, markdown_table, parse_config, progress
+from bottleneck.runs.cli import Checked, Count, one_line_errors
+from bottleneck.runs.folder import results_page
+from bottleneck.runs.language_model import head_inputs, load_run, validation_windows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+# The [M, d] Jacobians of 64 positions at a time.
+gradient_ratios = nnx.jit(functools.partial(bn.head_gradient_ratio, batch_size=64))
 
 PAGE_TITLE = (
     "Beyond rank: unargmaxable tokens, hidden size, gradient share and NLL by word frequency of "
@@ -120,33 +123,6 @@ class Config(Checked):
 
 
 @nnx.jit
-def _gradient_ratios(head: Any, h: jax.Array, labels: jax.Array) -> jax.Array:
-    return bn.head_gradient_ratio(head, h, labels)
-
-
-def gradient_ratios(head: Any, h: jax.Array, labels: np.ndarray, chunk: int = 64) -> np.ndarray:
-    """:func:`bottleneck.head_gradient_ratio` at each position, ``chunk`` positions at a time
-    (each holds a ``[vocab, d]`` Jacobian)."""
-    return np.concatenate([
-        np.asarray(_gradient_ratios(head, h[i : i + chunk], jnp.asarray(labels[i : i + chunk])))
-        for i in range(0, len(labels), chunk)
-    ])  # fmt: skip
-
-
-def validation_windows(
-    validation: np.ndarray, tokens: int, bptt: int, flag: str = "--tokens"
-) -> tuple[np.ndarray, np.ndarray]:
-    """The first whole windows ``[count, bptt]`` of ``validation`` within ``tokens`` positions,
-    and their next-token targets (so the last window needs one token after it)."""
-    count = min(tokens, len(validation) - 1) // bptt
-    if count < 1:
-        raise UsageError(f"{flag} {tokens} holds no whole window of bptt {bptt}")
-    inputs = validation[: count * bptt].reshape(count, bptt)
-    targets = validation[1 : count * bptt + 1].reshape(count, bptt)
-    return inputs, targets
-
-
-@nnx.jit
 def _target_nll(model: Any, windows: jax.Array, targets: jax.Array) -> jax.Array:
     log_probs = model.head(head_inputs(model, windows))
     return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
@@ -173,7 +149,7 @@ def nll_by_train_count(
     each read from its own start), grouped by how often each target occurs in training.
 
     Args:
-      model: a language model as :func:`experiments.generate.load_run` returns it.
+      model: a language model as :func:`bottleneck.runs.language_model.load_run` returns it.
       tokens: a token stream ``[n]`` (the test set, or the training stream).
       train_counts: each word's count in the training data ``[vocab]``.
       bptt: the window length.
@@ -258,7 +234,7 @@ def measure_run(
         windows, targets = validation_windows(np.asarray(corpus.validation), tokens, bptt)
         h = head_inputs(model, windows)
         log_probs = np.asarray(head(h), np.float32).reshape(-1, vocab_size)
-        ratios = gradient_ratios(head, h.reshape(-1, h.shape[-1]), targets.reshape(-1))
+        ratios = np.asarray(gradient_ratios(head, h, jnp.asarray(targets))).reshape(-1)
         argmaxes = np.unique(log_probs.argmax(axis=-1))
         row["unargmaxable_seen_as_argmax"] = int(np.isin(unargmaxable, argmaxes).sum())
         row["distinct_argmaxes"] = int(argmaxes.size)

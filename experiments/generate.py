@@ -27,7 +27,7 @@ under RUN/tfds if that was deleted.
 
 from __future__ import annotations
 
-import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
+import softmax_bottleneck  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import datetime
 import json
@@ -37,16 +37,13 @@ from typing import Annotated
 
 import jax
 import numpy as np
-from flax import nnx
 
 import bottleneck as bn
 from bottleneck.data import EOS, Vocabulary
-from bottleneck.train import UsageError, parse_config
-from bottleneck.train.checkpoint import CheckpointStore
-from bottleneck.train.experiment import Checked, Count, Interval, Positive, one_line_errors
-from bottleneck.train.run_folder import config_from_jsonable, to_jsonable
-from bottleneck.train.run_loop import VOCABULARY_FILE
-from experiments import language_model
+from bottleneck.runs import UsageError, parse_config
+from bottleneck.runs.cli import Checked, Count, Interval, Positive, one_line_errors
+from bottleneck.runs.folder import to_jsonable
+from bottleneck.runs.language_model import load_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,55 +60,6 @@ class Config(Checked):
     prompt: str = ""  # words to continue; empty: start a sentence
     num_samples: Count = 1  # samples of the prompt
     seed: int = 0
-
-
-def load_run(run_dir: str | Path) -> tuple[language_model.Config, Vocabulary, nnx.Module]:
-    """The run's config, vocabulary and model with its best parameters."""
-    root = Path(run_dir)
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise UsageError(f"{root} is not a language_model.py run folder: it has no config.json")
-    try:
-        saved = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise UsageError(f"{config_path} is not valid JSON: {err}") from None
-    owner = saved.get("experiment") if isinstance(saved, dict) else None
-    if owner != "language_model":
-        raise UsageError(
-            f"{root} holds a run of {owner or 'an unknown experiment'}, not of language_model.py"
-        )
-    if not isinstance(saved.get("config"), dict):
-        raise UsageError(f"{config_path} records no config")
-    try:
-        config = config_from_jsonable(language_model.Config, saved["config"])
-    except (ValueError, TypeError) as err:
-        raise UsageError(
-            f"{config_path} does not load in this language_model.py ({err}): the run was made by "
-            "another version of it"
-        ) from None
-    # The run's corpus is prepared under its own folder (tfds_dir None: OUT_DIR/tfds), wherever
-    # the folder is now.
-    config = dataclasses.replace(config, out_dir=str(root))
-    checkpoints = root / "checkpoints"
-    if not checkpoints.is_dir():
-        raise UsageError(f"{root} has no checkpoints/ folder: the run never saved a model")
-    vocab_path = root / VOCABULARY_FILE
-    counts = None
-    if vocab_path.is_file() and not config.head.shares_gates:
-        vocabulary = Vocabulary.read(vocab_path)
-    else:  # a head that shares gates is built from the training split's counts
-        corpus = config.data.load(root)
-        vocabulary, counts = corpus.vocabulary, language_model.training_counts(config, corpus)
-    model = language_model.build_model(config, len(vocabulary), counts)
-    with CheckpointStore(checkpoints) as store:
-        if store.latest_step() is None:
-            raise UsageError(f"{checkpoints} holds no checkpoint: the run never saved a model")
-        try:
-            items, _ = store.restore({"best_params": nnx.state(model, nnx.Param)})
-        except ValueError as err:
-            raise UsageError(f"cannot load the model of {root}: {err}") from None
-    nnx.update(model, items["best_params"])
-    return config, vocabulary, model.model
 
 
 def encode_prompt(prompt: str, vocabulary: Vocabulary) -> list[str]:

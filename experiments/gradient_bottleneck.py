@@ -21,8 +21,9 @@ one line per head, quartiles shaded).
 
 from __future__ import annotations
 
-import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
+import softmax_bottleneck  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
+import functools
 import itertools
 import json
 import sys
@@ -32,17 +33,20 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import bottleneck as bn
 from bottleneck.data import batchify
 from bottleneck.nn.presets import HeadName
-from bottleneck.train import markdown_table, open_run, parse_config, progress
-from bottleneck.train.experiment import Checked, Count, one_line_errors
-from bottleneck.train.run_folder import to_jsonable
-from experiments import language_model
-from experiments.consequences import gradient_ratios, validation_windows
-from experiments.logit_spread import head_inputs
+from bottleneck.runs import language_model, markdown_table, open_run, parse_config, progress
+from bottleneck.runs.cli import Checked, Count, one_line_errors
+from bottleneck.runs.folder import to_jsonable
+from bottleneck.runs.language_model import head_inputs, validation_windows
+
+# The [M, d] Jacobians of 64 positions at a time.
+gradient_ratios = nnx.jit(functools.partial(bn.head_gradient_ratio, batch_size=64))
 
 HEADS = ("softmax", "sigsoftmax", "plif", "mos", "mixtape")
 
@@ -109,7 +113,7 @@ def train_head(config: Config, head: str) -> dict[str, Any]:
     def measure() -> None:
         trunk = trainer.model.model  # the model behind the run loop's interface
         h = head_inputs(trunk, inputs)
-        ratios = gradient_ratios(trunk.head, h.reshape(-1, h.shape[-1]), targets.reshape(-1))
+        ratios = np.asarray(gradient_ratios(trunk.head, h, jnp.asarray(targets))).reshape(-1)
         q1, median, q3 = np.quantile(ratios, [0.25, 0.5, 0.75])
         # The step losses stay on the device until here: no host sync per training step.
         loss = float(np.mean(jax.device_get(losses))) if losses else None

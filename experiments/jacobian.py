@@ -20,7 +20,7 @@ row per layer), singular_values.png (the note's figures), metrics.jsonl (per-lay
 
 from __future__ import annotations
 
-import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
+import softmax_bottleneck  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import os
 import sys
@@ -39,8 +39,8 @@ from flax import nnx
 
 import bottleneck as bn
 from bottleneck.nn.moe import DenseMoE
-from bottleneck.train import RunDir, markdown_table, open_run, parse_config, progress
-from bottleneck.train.experiment import Checked, Count
+from bottleneck.runs import RunDir, markdown_table, open_run, parse_config, progress
+from bottleneck.runs.cli import Checked, Count
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,20 +30,18 @@ large heads.
 
 from __future__ import annotations
 
-import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
+import softmax_bottleneck  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
-from bottleneck.nn.transformer import Transformer
-from bottleneck.train import UsageError, parse_config
-from bottleneck.train.experiment import Checked, Count, one_line_errors
-from experiments.generate import load_run
+from bottleneck.runs import UsageError, parse_config
+from bottleneck.runs.cli import Checked, Count, one_line_errors
+from bottleneck.runs.language_model import head_inputs, load_run
 
 SATURATED = 0.95
 
@@ -54,13 +52,6 @@ class Config(Checked):
 
     run_dir: str  # the --out_dir of a language_model.py run
     tokens: Count = 4096  # validation tokens measured (whole windows)
-
-
-def head_inputs(model: Any, windows: np.ndarray) -> jnp.ndarray:
-    """The head's inputs ``[B, T, d]`` for token windows ``[B, T]`` (deterministic)."""
-    if isinstance(model, Transformer):
-        return model.head_input(model.features(jnp.asarray(windows)))
-    return jnp.swapaxes(model.rnn(jnp.asarray(windows.T)).output, 0, 1)
 
 
 def measure(model: Any, windows: np.ndarray, vocab_size: int) -> dict[str, Any]:

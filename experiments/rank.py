@@ -48,7 +48,7 @@ rank_vs_d.png (numerical rank against d, one line per head, d + 2 dashed) and sp
 
 from __future__ import annotations
 
-import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
+import softmax_bottleneck  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import sys
 import time
@@ -66,8 +66,8 @@ from bottleneck import nn
 from bottleneck import spectrum_streaming as ss
 from bottleneck.nn import HEAD_NAMES, make_head
 from bottleneck.nn.presets import HeadName
-from bottleneck.train import RunDir, UsageError, markdown_table, open_run, parse_config, progress
-from bottleneck.train.experiment import (
+from bottleneck.runs import RunDir, UsageError, markdown_table, open_run, parse_config, progress
+from bottleneck.runs.cli import (
     Checked,
     Count,
     Interval,
@@ -75,6 +75,7 @@ from bottleneck.train.experiment import (
     Positive,
     one_line_errors,
 )
+from bottleneck.runs.log_prob_spectrum import SpectrumOptions, write_log_prob_spectrum
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -267,112 +268,6 @@ def plot_random_spectra(rows: list[dict], config: Config, run: RunDir) -> None:
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------------------------
-# --mode model
-
-
-def run_model(config: Config, run: RunDir) -> list[dict]:
-    """The spectrum of the log-probs at ``config.log_probs``; writes results, CSV and plot."""
-    assert config.log_probs is not None  # Config saw to it
-    spectrum = ss.log_prob_spectrum(
-        config.log_probs,
-        max_vocab=config.max_vocab,
-        max_tokens=config.max_tokens,
-        seed=config.seed,
-        block_rows=config.block_rows,
-        progress=True,
-    )
-    values = spectrum.singular_values
-    notes = subsampling_notes(spectrum, config)
-    for note in notes:
-        print(f"note: {note}")
-    row = {
-        "tokens": spectrum.total_rows,
-        "vocab": spectrum.total_columns,
-        "rows_analysed": spectrum.num_rows,
-        "columns_analysed": spectrum.num_columns,
-        "numerical_rank": spectrum.numerical_rank(),
-        "effective_rank": spectrum.effective_rank(config.energy),
-    }
-    if config.hidden_size is not None:
-        row["d+2"] = config.hidden_size + 2
-    kept = values[: config.max_json_values]
-    run.write_json(
-        "results.json",
-        {
-            "mode": "model",
-            "log_probs": config.log_probs,
-            "files": [str(f) for f in ss.log_prob_files(config.log_probs)],
-            **row,
-            "hidden_size": config.hidden_size,
-            "dtype": str(spectrum.dtype),
-            "eps": ss.rank_eps(spectrum.dtype),
-            "tolerance": spectrum.tolerance(),
-            "tolerance_formula": "0.5 * sqrt(rows_analysed + columns_analysed + 1) * sigma_max * eps",
-            "energy": config.energy,
-            "columns_subsampled": spectrum.columns is not None,
-            "rows_subsampled": spectrum.rows is not None,
-            "subsample_seed": config.seed,
-            "rank_is_lower_bound": spectrum.columns is not None or spectrum.rows is not None,
-            "notes": notes,
-            "method": "sqrt of the eigenvalues of the float64 Gram matrix A^T A, streamed in row blocks",
-            "num_singular_values": int(values.size),
-            "singular_values_truncated": bool(values.size > kept.size),
-            "singular_values": kept,
-        },
-    )
-    run.write_csv(
-        "spectrum.csv",
-        [{"index": i + 1, "singular_value": float(v)} for i, v in enumerate(values)],
-    )
-    plot_model_spectrum(spectrum, config, run)
-    return [row]
-
-
-def subsampling_notes(spectrum: ss.StreamingSpectrum, config: Config) -> list[str]:
-    """Human-readable notes on what was subsampled (also stored in results.json)."""
-    notes = []
-    if spectrum.columns is not None:
-        notes.append(
-            f"vocabulary subsampled: {spectrum.num_columns} of {spectrum.total_columns} columns "
-            f"(random, seed {config.seed}, max_vocab); the rank is a lower bound on the full one"
-        )
-    if spectrum.rows is not None:
-        notes.append(
-            f"tokens subsampled: {spectrum.num_rows} of {spectrum.total_rows} rows "
-            f"(random, seed {config.seed} + 1, max_tokens); the rank is a lower bound"
-        )
-    return notes
-
-
-def plot_model_spectrum(spectrum: ss.StreamingSpectrum, config: Config, run: RunDir) -> None:
-    """spectrum.png (Kanai Fig. 1): singular value against index, log y; d + 2 dashed."""
-    values = spectrum.singular_values
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    index = np.arange(1, values.size + 1)
-    positive = values > 0  # log axis: exact zeros (clipped round-off) cannot be drawn
-    zeros = int(values.size - positive.sum())
-    label = "log-prob matrix" + (f" ({zeros} zeros not drawn)" if zeros else "")
-    ax.plot(index[positive], values[positive], lw=1.2, label=label)
-    ax.axhline(spectrum.tolerance(), color="grey", ls=":", label="rank threshold")
-    if config.hidden_size is not None:
-        ax.axvline(
-            config.hidden_size + 2, color="k", ls="--", label=f"d + 2 = {config.hidden_size + 2}"
-        )
-    ax.set_yscale("log")
-    ax.set_xlabel("index")
-    ax.set_ylabel("singular value")
-    subsampled = (
-        " (subsampled)" if spectrum.columns is not None or spectrum.rows is not None else ""
-    )
-    ax.set_title(f"Singular values of A [{spectrum.num_rows} x {spectrum.num_columns}]{subsampled}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(run.path("spectrum.png"), dpi=120)
-    plt.close(fig)
-
-
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     config = parse_config(Config, PRESETS, argv)
     if config.mode == "model":
@@ -388,7 +283,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         columns = ["head", "d", "d+2", "numerical_rank", "effective_rank"]
         files = f"results.json, results.csv, rank_vs_d.png, spectra_d{max(config.dims)}.png"
     else:
-        rows = run_model(config, run)
+        options = SpectrumOptions(
+            **{f.name: getattr(config, f.name) for f in dataclasses.fields(SpectrumOptions)}
+        )
+        rows = [write_log_prob_spectrum(config.log_probs, run, options)]
         columns = None
         files = "results.json, spectrum.csv, spectrum.png"
     seconds = time.perf_counter() - start

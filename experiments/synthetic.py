@@ -25,7 +25,7 @@ per head, error bars the std over seeds) into --out_dir.
 
 from __future__ import annotations
 
-import experiments  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
+import softmax_bottleneck  # noqa: F401  # isort: skip  (first: checks that `bottleneck` is ours)
 import dataclasses
 import json
 import sys
@@ -43,6 +43,10 @@ from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy, synthetic_metrics
 from bottleneck.nn.models import ContextEmbeddingModel
 from bottleneck.nn.presets import HeadName
+from bottleneck.runs import UsageError, markdown_table, open_run, parse_config, progress
+from bottleneck.runs.checkpoint import StopSignals
+from bottleneck.runs.cli import Checked, Count, Interval, Positive, one_line_errors
+from bottleneck.runs.folder import TrainingInterrupted, check_resumable
 from bottleneck.sharding import (
     mesh_from_flag,
     require_data_divides,
@@ -50,18 +54,7 @@ from bottleneck.sharding import (
     shard_model,
     use_mesh,
 )
-from bottleneck.train import (
-    Trainer,
-    UsageError,
-    make_optimizer,
-    markdown_table,
-    open_run,
-    parse_config,
-    progress,
-)
-from bottleneck.train.checkpoint import StopSignals
-from bottleneck.train.experiment import Checked, Count, Interval, Positive, one_line_errors
-from bottleneck.train.run_folder import TrainingInterrupted, check_resumable
+from bottleneck.train import Trainer, make_optimizer
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

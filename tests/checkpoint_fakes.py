@@ -1,4 +1,4 @@
-"""Stand-ins for tests of bottleneck/train/checkpoint.py: an older commit's checkpoint writer,
+"""Stand-ins for tests of bottleneck/runs/checkpoint.py: an older commit's checkpoint writer,
 and a full disk (TensorStore's own error, as a real full tmpfs raised it; no test mounts one)."""
 
 from __future__ import annotations

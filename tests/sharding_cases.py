@@ -22,9 +22,9 @@ import bottleneck as bn
 from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy
 from bottleneck.nn.models import ContextEmbeddingModel
+from bottleneck.runs.checkpoint import CheckpointStore
 from bottleneck.sharding import make_mesh, require_data_divides, shard_batch
 from bottleneck.train import Trainer, make_optimizer
-from bottleneck.train.checkpoint import CheckpointStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from head_combos import PAIRWISE_COMBOS, build_head, keep_relu_off_its_kink  # noqa: E402

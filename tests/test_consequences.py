@@ -202,6 +202,20 @@ def test_head_ratio_of_a_softmax_head_is_the_decoders():
     np.testing.assert_allclose(bn.head_gradient_ratio(head, h, labels), want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["softmax", "mos"])
+def test_head_ratio_in_batches_of_positions_is_the_same_ratio(name):
+    # 7 positions in batches of 3: two whole batches and a remainder.
+    options = {"num_components": 2} if name == "mos" else {}
+    head = nn.make_head(name, 5, 20, **options, rngs=nnx.Rngs(2))
+    h = jax.random.normal(jax.random.key(7), (7, 5))
+    labels = jax.random.randint(jax.random.key(8), (7,), 0, 20)
+    whole = bn.head_gradient_ratio(head, h, labels)
+    batched = jax.jit(lambda h, y: bn.head_gradient_ratio(head, h, y, batch_size=3))(h, labels)
+    # The same float32 projection in another batch layout: a mixture's goes through a QR of its
+    # [M, d] Jacobian (round-off ~1e-5 relative; its float64 reference test allows 1e-3).
+    np.testing.assert_allclose(batched, whole, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["sigsoftmax", "plif", "monotone_mlp", "relu"])
 def test_head_ratio_of_a_pointwise_head_uses_its_whole_jacobian(name):
     # PLIF has a custom VJP (no forward mode): the reference Jacobian is reverse-mode, per position.

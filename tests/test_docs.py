@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 API = Path(__file__).resolve().parents[1] / "docs" / "api"
-PACKAGES = ("bottleneck", "bottleneck.nn", "bottleneck.data", "bottleneck.train")
+PACKAGES = ("bottleneck", "bottleneck.nn", "bottleneck.data", "bottleneck.train", "bottleneck.runs")
 
 
 def documented() -> dict[str, set[str]]:

@@ -1,7 +1,7 @@
 """The parts of a language-model experiment's config that do not depend on the model.
 
 Each part is a frozen dataclass that checks itself on construction
-(:class:`~bottleneck.train.experiment.Checked`) and turns into what the library needs:
+(:class:`~bottleneck.runs.cli.Checked`) and turns into what the library needs:
 
 * :class:`DataConfig`: which corpus and how much of it (:meth:`~DataConfig.load`), the batch
   sizes and the training windows (:meth:`~DataConfig.train_windows`: AWD-LSTM's variable
@@ -34,11 +34,11 @@ from bottleneck.data import CORPORA, BpttWindow, batchify, bptt_windows, load_co
 from bottleneck.data.tfds_builders import TokenizedCorpus, limit_vocabulary
 from bottleneck.nn.heads import LATENTS
 from bottleneck.nn.presets import HeadName
+from bottleneck.runs.cli import Checked, Count, Interval, NonNegative, Positive
+from bottleneck.runs.folder import UsageError
 from bottleneck.train.dynamic_eval import STYLES
-from bottleneck.train.experiment import Checked, Count, Interval, NonNegative, Positive
 from bottleneck.train.lm import padded_length
 from bottleneck.train.nt_asgd import EpochPolicy, KeepBest, NtAsgd
-from bottleneck.train.run_folder import UsageError
 from bottleneck.train.steps import make_optimizer
 
 Corpus = Literal[tuple(CORPORA)]
@@ -68,7 +68,7 @@ class DataConfig(Checked):
     def load(self, out_dir: str | Path) -> TokenizedCorpus:
         """The corpus as token ids: ``--vocab_size`` (counted on the whole training split), then
         the first ``--train_tokens`` / ``--eval_tokens`` of the splits; a missing or incomplete
-        data folder is a :class:`~bottleneck.train.run_folder.UsageError`."""
+        data folder is a :class:`~bottleneck.runs.folder.UsageError`."""
         tfds_dir = self.tfds_dir or str(Path(out_dir) / "tfds")
         tfds.disable_progress_bar()  # one-off preparation; its nested bars only clutter the log
         try:
@@ -240,7 +240,7 @@ class OptimizerConfig(Checked):
         constant after. The
         schedule reads the step count in the optimizer state, so a resumed run continues it.
         ``total_steps`` must exceed ``warmup_steps`` (a
-        :class:`~bottleneck.train.run_folder.UsageError` otherwise); SGD and Adam ignore it.
+        :class:`~bottleneck.runs.folder.UsageError` otherwise); SGD and Adam ignore it.
         """
         rate, plif_rate = self.lr, (self.plif_lr if plif else None)
         if self.name == "adamw":

@@ -39,7 +39,7 @@ On SIGINT / SIGTERM the run finishes its step, saves and raises :class:`Training
 (scripts exit with its status, 128 + signal); a
 training loss that turns NaN or infinite stops it with :class:`TrainingDiverged` before anything
 of the broken epoch is saved; a checkpoint that cannot be written (a full disk) stops it with
-:class:`~bottleneck.train.checkpoint.CheckpointWriteError`, the last complete checkpoint kept.
+:class:`~bottleneck.runs.checkpoint.CheckpointWriteError`, the last complete checkpoint kept.
 
 Writes to the run folder: config.json, vocab.txt (the vocabulary, one token per line in id
 order: what a model's ids mean, for sampling without the corpus; a resumed run whose corpus
@@ -48,7 +48,7 @@ validation perplexity, seconds, tokens/s; a final "test" line), results.json,
 log_probs/block_*.npy (test log-probabilities [T_i, M], float32, one row per test token in
 evaluation order: window, time step, sequence), log_prob_targets.npy (the rows' target ids) and
 checkpoints/ (each array by its parameter path, such as ``best_params/model/head/bias/value``:
-:func:`~bottleneck.train.checkpoint.checkpoint_contents` lists them).
+:func:`~bottleneck.runs.checkpoint.checkpoint_contents` lists them).
 """
 
 from __future__ import annotations
@@ -70,16 +70,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from bottleneck.data import BpttWindow, TokenizedCorpus, Vocabulary, batchify
-from bottleneck.train.checkpoint import CheckpointStore, RunLock, StopSignals
-from bottleneck.train.experiment import progress
-from bottleneck.train.lm import (
-    LogProbBlockWriter,
-    eval_windows,
-    num_eval_windows,
-)
-from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
-from bottleneck.train.nt_asgd import EpochPolicy, NtAsgdStatus
-from bottleneck.train.run_folder import (
+from bottleneck.runs.checkpoint import CheckpointStore, RunLock, StopSignals
+from bottleneck.runs.cli import progress
+from bottleneck.runs.folder import (
     RunDir,
     TrainingInterrupted,
     UsageError,
@@ -88,6 +81,13 @@ from bottleneck.train.run_folder import (
     open_run,
     to_jsonable,
 )
+from bottleneck.train.lm import (
+    LogProbBlockWriter,
+    eval_windows,
+    num_eval_windows,
+)
+from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
+from bottleneck.train.nt_asgd import EpochPolicy, NtAsgdStatus
 from bottleneck.train.steps import Trainer
 
 logger = logging.getLogger(__name__)
@@ -142,12 +142,12 @@ def open_session(
     """Takes ``out_dir`` for one run of ``config`` (:class:`Session`); releases it on exit.
 
     In this order, so that a refused folder is left as it was: the folder must be this
-    experiment's (:func:`~bottleneck.train.run_folder.check_run_folder`), no other process may
-    hold it (:class:`~bottleneck.train.checkpoint.RunLock`), and a checkpointed run in it must
+    experiment's (:func:`~bottleneck.runs.folder.check_run_folder`), no other process may
+    hold it (:class:`~bottleneck.runs.checkpoint.RunLock`), and a checkpointed run in it must
     have the same config but for the fields in ``may_change``
-    (:func:`~bottleneck.train.run_folder.check_resumable`); then ``config.json`` is written
+    (:func:`~bottleneck.runs.folder.check_resumable`); then ``config.json`` is written
     (``metrics.jsonl`` is kept when resuming). Each refusal is a
-    :class:`~bottleneck.train.run_folder.RunFolderError`.
+    :class:`~bottleneck.runs.folder.RunFolderError`.
     """
     root = check_run_folder(out_dir, config)
     with RunLock(root), CheckpointStore(root / "checkpoints") as store, StopSignals() as stop:
@@ -162,7 +162,7 @@ VOCABULARY_FILE = "vocab.txt"
 
 def record_vocabulary(run: RunDir, vocabulary: Vocabulary, *, resuming: bool) -> None:
     """Writes ``vocab.txt``; when ``resuming``, a ``vocab.txt`` already there must be
-    ``vocabulary`` (:class:`~bottleneck.train.run_folder.UsageError` otherwise): the checkpoint's
+    ``vocabulary`` (:class:`~bottleneck.runs.folder.UsageError` otherwise): the checkpoint's
     token ids mean nothing with another one."""
     path = run.path(VOCABULARY_FILE)
     if resuming and path.is_file() and Vocabulary.read(path).tokens != vocabulary.tokens:

@@ -16,6 +16,7 @@ import tensorflow_datasets as tfds
 from bottleneck.data import (
     DATA_DIR_ENV,
     EOS,
+    FIXTURES_DIR,
     ChecksumError,
     Ptb,
     TokenizedCorpus,
@@ -40,9 +41,8 @@ from bottleneck.data.tfds_builders import (
     read_prepared_tokens,
     release_sha256,
 )
-from bottleneck.train.experiment import show_logs
+from bottleneck.runs.cli import show_logs
 
-FIXTURES_DIR = Path(__file__).parent / "fixtures"
 SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 
 FIXTURE_TOKENS = {

@@ -18,12 +18,19 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from bottleneck.data import DATA_DIR_ENV, ChecksumError, DownloadError, Ptb, Wikitext2, load_corpus
+from bottleneck.data import (
+    DATA_DIR_ENV,
+    FIXTURES_DIR,
+    ChecksumError,
+    DownloadError,
+    Ptb,
+    Wikitext2,
+    load_corpus,
+)
 from bottleneck.data.corpora import PTB, SPLITS, WIKITEXT2, CorpusSpec
 from bottleneck.data.download import DATA_URL_ENV, SHA256SUMS_ENV, expected_sha256
-from bottleneck.train.experiment import show_logs
+from bottleneck.runs.cli import show_logs
 
-FIXTURES_DIR = Path(__file__).parent / "fixtures"
 FIXTURE_TEST_TOKENS = {
     "ptb": "a dog sat on the mat <eos> N years ago <eos>",
     "wikitext2": "<eos> It is a game . <eos>",

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import bottleneck as bn
-from bottleneck.train import UsageError
+from bottleneck.runs import UsageError
+from bottleneck.runs.language_model import load_run
 from experiments import consequences
-from experiments.generate import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"

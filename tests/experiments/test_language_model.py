@@ -22,9 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bottleneck.data import FIXTURES_DIR
 from bottleneck.losses import DEFAULT_MEMORY_BUDGET
-from bottleneck.train import HeadConfig, parse_config
-from experiments import language_model
+from bottleneck.runs import UsageError, language_model, parse_config
+from bottleneck.train import HeadConfig
+from bottleneck.train.run_loop import TrainingDiverged
+from experiments import language_model as script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "language_model.py"
@@ -112,7 +115,7 @@ def test_smoke_run_writes_every_output(smoke):
     assert config["config"]["training"]["epochs"] == 3 and config["seed"] == 141
     assert config["experiment"] == "language_model"
     # The data it was trained on: the files' SHA-256 and their token counts.
-    fixtures = language_model.FIXTURES_DIR / "ptb"
+    fixtures = FIXTURES_DIR / "ptb"
     assert results["data"]["sha256"] == {
         f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in fixtures.glob("ptb.*.txt")
     }
@@ -168,7 +171,7 @@ def test_smoke_run_writes_every_output(smoke):
 )
 def test_bad_flags_exit_with_one_clear_line(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main(["--preset", "smoke", "--out_dir", str(tmp_path), *args])
+        script.main(["--preset", "smoke", "--out_dir", str(tmp_path), *args])
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("language_model.py: error: ") and message in line
@@ -194,7 +197,7 @@ def test_bad_flags_exit_with_one_clear_line(args, message, tmp_path, capsys):
 def test_bad_head_options_exit_2_in_one_line_and_write_nothing(args, message, tmp_path, capsys):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main(["--preset", "smoke", "--out_dir", str(out), *args])
+        script.main(["--preset", "smoke", "--out_dir", str(out), *args])
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("language_model.py: error: ") and message in line, line
@@ -221,7 +224,7 @@ def test_a_usage_error_is_one_line_from_the_command_line_too(env, tmp_path):
 def test_missing_data_dir_and_env_var(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("BOTTLENECK_DATA_DIR", raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main(["--preset", "cpu-small", "--out_dir", str(tmp_path)])
+        script.main(["--preset", "cpu-small", "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "$BOTTLENECK_DATA_DIR is not set" in err and "ptb.train.txt" in err
@@ -229,7 +232,7 @@ def test_missing_data_dir_and_env_var(tmp_path, capsys, monkeypatch):
 
 def test_help_lists_the_groups_both_spellings_and_what_each_preset_sets(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main(["--help"])
+        script.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for group in ("data", "head", "optimizer", "training", "evaluation", "model"):
@@ -244,7 +247,7 @@ def test_help_lists_the_groups_both_spellings_and_what_each_preset_sets(capsys):
     cpu = presets[presets.index("  transformer-cpu ") : presets.index("  transformer-study ")]
     assert "model:transformer" in cpu and "--optimizer adamw" in cpu and "--d_model 128" in cpu
     with pytest.raises(SystemExit):  # the chosen model's fields, from its preset
-        language_model.main(["--preset", "transformer-cpu", "--help"])
+        script.main(["--preset", "transformer-cpu", "--help"])
     text = capsys.readouterr().out
     assert "--d_model INT, --model.d_model INT" in text and "(default: 128)" in text
 
@@ -265,7 +268,7 @@ def test_dotted_and_short_flags_set_the_same_field(tmp_path):
 def test_resuming_with_other_flags_is_refused(smoke, capsys):
     out, _ = smoke
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main(["--preset", "smoke", "--out_dir", str(out), "--lr", "3.0"])
+        script.main(["--preset", "smoke", "--out_dir", str(out), "--lr", "3.0"])
     assert exit_info.value.code == 2
     assert "different config (optimizer.lr: 1.0 -> 3.0)" in capsys.readouterr().err
 
@@ -273,7 +276,7 @@ def test_resuming_with_other_flags_is_refused(smoke, capsys):
 def test_a_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
     (tmp_path / ".lock").write_text(str(os.getppid()))  # a live process that is not us
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
+        script.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert f"is in use by process {os.getppid()}" in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists()  # refused before touching anything
@@ -306,11 +309,11 @@ def test_a_diverged_run_exits_with_status_1_and_the_loops_message(tmp_path, caps
     # The loop's side (nothing of the broken epoch saved, the last checkpoint resumes) is
     # tests/train/test_run_loop.py's; here, what the command line makes of it.
     def diverge(config):
-        raise language_model.TrainingDiverged("the training loss became nan in epoch 2")
+        raise TrainingDiverged("the training loss became nan in epoch 2")
 
-    monkeypatch.setattr(language_model, "run_experiment", diverge)
+    monkeypatch.setattr(script, "run_experiment", diverge)
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
+        script.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 1
     assert "error: the training loss became nan in epoch 2" in capsys.readouterr().err
 
@@ -318,11 +321,11 @@ def test_a_diverged_run_exits_with_status_1_and_the_loops_message(tmp_path, caps
 def test_a_folder_of_another_experiment_is_refused_before_anything_is_written(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"experiment": "synthetic"}))
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
+        script.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "holds a run of synthetic, not of language_model" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
-    with pytest.raises(language_model.UsageError, match="holds a run of synthetic"):
+    with pytest.raises(UsageError, match="holds a run of synthetic"):
         language_model.run_experiment(language_model.Config(out_dir=str(tmp_path)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
@@ -422,7 +425,7 @@ def test_adamw_runs_refuse_another_epoch_budget_on_resuming(transformer_runs, ca
     # The budget sets the length of the cosine decay, which the steps so far followed.
     out = transformer_runs / "mos"
     with pytest.raises(SystemExit) as exit_info:
-        language_model.main([*MIXTURE, "--epochs", "4", "--out_dir", str(out)])
+        script.main([*MIXTURE, "--epochs", "4", "--out_dir", str(out)])
     assert exit_info.value.code == 2
     assert "different config (training.epochs: 3 -> 4)" in capsys.readouterr().err
     config = parse_config(language_model.Config, language_model.PRESETS, MIXTURE)
@@ -507,7 +510,7 @@ def test_embedding_features_fix_the_transformers_trunk_and_old_folders_still_res
     tmp_path, capsys
 ):
     from bottleneck.nn.heads import ProjectedEmbedding
-    from bottleneck.train.run_folder import RunFolderError, check_resumable, to_jsonable
+    from bottleneck.runs.folder import RunFolderError, check_resumable, to_jsonable
 
     argv = [*TRANSFORMER, "--head_features", "4", "--out_dir", str(tmp_path)]
     config = parse_config(
@@ -526,6 +529,6 @@ def test_embedding_features_fix_the_transformers_trunk_and_old_folders_still_res
     with pytest.raises(RunFolderError, match="transformer.embedding_features: None -> 8"):
         check_resumable(tmp_path, config)
     with pytest.raises(SystemExit):
-        language_model.main([*TRANSFORMER, "--help"])
+        script.main([*TRANSFORMER, "--help"])
     text = capsys.readouterr().out
     assert "--embedding_features {None}|INT, --model.embedding_features {None}|INT" in text

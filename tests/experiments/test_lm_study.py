@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bottleneck.train import parse_config
+from bottleneck.runs import parse_config
 from experiments import lm_study
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_generate import _train
 
+from bottleneck.runs.language_model import load_run
 from experiments import logit_spread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["awd_lstm_mos", "transformer_softmax"])
 def test_the_stated_bounds_hold_and_the_file_is_what_it_prints(runs, name, capsys):
     stats = logit_spread.main(["--run_dir", str(runs[name]), "--tokens", "100"])
-    vocab_size = len(logit_spread.load_run(runs[name])[1])
+    vocab_size = len(load_run(runs[name])[1])
     assert json.loads((runs[name] / "logit_spread.json").read_text()) == stats
     assert str(runs[name] / "logit_spread.json") in capsys.readouterr().out
     assert 0 <= stats["logit_spread"] <= stats["spread_bound"]
@@ -45,7 +46,7 @@ def test_the_stated_bounds_hold_and_the_file_is_what_it_prints(runs, name, capsy
 
 def test_measure_against_a_direct_computation(runs):
     # logit_spread = mean of max - median of the bias-free logits, computed here by hand.
-    config, vocabulary, model = logit_spread.load_run(runs["transformer_softmax"])
+    config, vocabulary, model = load_run(runs["transformer_softmax"])
     windows = np.arange(8, dtype=np.int32).reshape(2, 4) % len(vocabulary)
     stats = logit_spread.measure(model, windows, len(vocabulary))
     h = np.asarray(model.features(windows))

@@ -16,9 +16,9 @@ def test_every_script_imports_the_check_before_anything_else(script):
     body = ast.parse(script.read_text()).body
     imports = [node for node in body if isinstance(node, (ast.Import, ast.ImportFrom))]
     imports = [node for node in imports if getattr(node, "module", None) != "__future__"]
-    assert isinstance(imports[0], ast.Import) and imports[0].names[0].name == "experiments", (
-        f"{script.name} must import experiments first"
-    )
+    assert (
+        isinstance(imports[0], ast.Import) and imports[0].names[0].name == "softmax_bottleneck"
+    ), f"{script.name} must import softmax_bottleneck first"
 
 
 def test_a_shadowing_bottleneck_stops_a_script_with_one_line(tmp_path):

@@ -7,9 +7,9 @@ import optax
 import pytest
 from flax import nnx
 
+from bottleneck.runs.checkpoint import CheckpointStore, CheckpointWriteError, checkpoint_contents
+from bottleneck.runs.folder import RunFolderError
 from bottleneck.train import TrainState
-from bottleneck.train.checkpoint import CheckpointStore, CheckpointWriteError, checkpoint_contents
-from bottleneck.train.run_folder import RunFolderError
 from tests.checkpoint_fakes import fill_disk, save_old_format
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tyro
 
-from bottleneck.train import (
+from bottleneck.runs import (
     Checked,
     TrainingInterrupted,
     UsageError,
@@ -18,7 +18,7 @@ from bottleneck.train import (
     parse_config,
     progress,
 )
-from bottleneck.train.experiment import Count, Interval, Positive, one_line_errors, show_logs
+from bottleneck.runs.cli import Count, Interval, Positive, one_line_errors, show_logs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from test_experiment import Config, Large, Nested, Optimizer, Small
 
-from bottleneck.train import RunDir, RunFolderError, code_commit, open_run
-from bottleneck.train.run_folder import (
+from bottleneck.runs import RunDir, RunFolderError, code_commit, open_run
+from bottleneck.runs.folder import (
     check_resumable,
     config_from_jsonable,
     cpu_model,
@@ -185,7 +185,7 @@ def test_code_commit_of_a_copy_inside_another_repository_is_unknown(tmp_path):
          "commit", "-q", "--allow-empty", "-m", "x"],
         check=True,
     )  # fmt: skip
-    code = "import bottleneck.train.run_folder as r; print(r.code_commit())"
+    code = "import bottleneck.runs.folder as r; print(r.code_commit())"
     printed = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "PYTHONPATH": str(other / "site-packages")},

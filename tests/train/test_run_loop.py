@@ -23,8 +23,9 @@ import pytest
 from flax import nnx
 
 from bottleneck.data import TokenizedCorpus, Vocabulary, batchify
-from bottleneck.train import Trainer, TrainingInterrupted, UsageError
-from bottleneck.train.experiment import show_logs
+from bottleneck.runs import TrainingInterrupted, UsageError
+from bottleneck.runs.cli import show_logs
+from bottleneck.train import Trainer
 from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
 from bottleneck.train.nt_asgd import KeepBest, NtAsgd, NtAsgdStatus
 from bottleneck.train.run_loop import (

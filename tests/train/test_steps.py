@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from bottleneck import nn
+from bottleneck.runs import UsageError
 from bottleneck.train import (
     Trainer,
-    UsageError,
     eval_step,
     log_probs_step,
     make_optimizer,

@@ -37,7 +37,7 @@ class UsageError(ValueError):
 
 class RunFolderError(UsageError):
     """An output folder that cannot be used: a file, unwritable, another experiment's run, a
-    checkpointed run with another config, or (:class:`~bottleneck.train.checkpoint.RunFolderBusy`)
+    checkpointed run with another config, or (:class:`~bottleneck.runs.checkpoint.RunFolderBusy`)
     a folder in use."""
 
 
@@ -46,7 +46,7 @@ class TrainingInterrupted(Exception):
 
     Attributes:
       exit_code: the status the scripts exit with, ``128 + signal`` (130 for SIGINT, 143 for
-        SIGTERM: the shell's convention; :attr:`~bottleneck.train.checkpoint.StopSignals.exit_code`).
+        SIGTERM: the shell's convention; :attr:`~bottleneck.runs.checkpoint.StopSignals.exit_code`).
     """
 
     def __init__(self, exit_code: int):

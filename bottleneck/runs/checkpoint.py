@@ -41,7 +41,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from bottleneck.train.run_folder import RunFolderError
+from bottleneck.runs.folder import RunFolderError
 
 logger = logging.getLogger(__name__)
 
@@ -418,7 +418,7 @@ class StopSignals:
     """Context manager: the first SIGINT/SIGTERM sets :attr:`signum` instead of killing.
 
     Inside the ``with`` block, poll :attr:`requested` between steps; on a request, save and
-    raise :class:`~bottleneck.train.run_folder.TrainingInterrupted` ``(stop.exit_code)``. A second signal restores the previous handler and re-raises
+    raise :class:`~bottleneck.runs.folder.TrainingInterrupted` ``(stop.exit_code)``. A second signal restores the previous handler and re-raises
     the signal (SIGINT: ``KeyboardInterrupt``), so a stuck run can still be stopped. Handlers
     can only be installed from the main thread; elsewhere this is a no-op.
     """

@@ -6,7 +6,7 @@ built in a notebook, read back from a run folder or changed with ``dataclasses.r
 valid as one from the command line. :func:`parse_config` turns the dataclass into a command line
 with `tyro <https://brentyi.github.io/tyro/>`_: a field holding another dataclass is a group of
 flags (``--optimizer.lr``), a union of dataclasses is a choice made with a subcommand
-(``model:transformer``); :func:`~bottleneck.train.run_folder.open_run` records the config and
+(``model:transformer``); :func:`~bottleneck.runs.folder.open_run` records the config and
 writes results into one output folder, :func:`markdown_table` formats the summary. The library
 logs through :mod:`logging` (``bottleneck.*`` loggers); :func:`parse_config` shows those lines
 on stderr (:func:`show_logs`).
@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 from tyro import _errors as tyro_errors  # the parse-error hook: one line instead of a box
 from tyro.constructors import ConstructorRegistry, StructConstructorSpec
 
-from bottleneck.train.run_folder import TrainingInterrupted, UsageError, check_run_folder
+from bottleneck.runs.folder import TrainingInterrupted, UsageError, check_run_folder
 
 ConfigT = TypeVar("ConfigT")
 T = TypeVar("T")
@@ -224,7 +224,7 @@ def parse_config(
 
     A malformed or unknown flag, a value the config refuses (its checks run as it is built:
     :class:`Checked`), and an ``out_dir`` this experiment may not use
-    (:func:`~bottleneck.train.run_folder.check_run_folder`) are usage errors: one line,
+    (:func:`~bottleneck.runs.folder.check_run_folder`) are usage errors: one line,
     ``NAME.py: error: ...``, on stderr and exit status 2. The library's log lines are shown on
     stderr from here on (:func:`show_logs`).
 
@@ -270,7 +270,7 @@ def one_line_errors(
 
     The line is ``NAME.py: error: MESSAGE`` on stderr, ``NAME.py`` the file that defines
     ``program`` (a config or its class); the exit status is 2 for a usage error, else the one
-    ``statuses`` gives the exception's class. A :class:`~bottleneck.train.run_folder.TrainingInterrupted`
+    ``statuses`` gives the exception's class. A :class:`~bottleneck.runs.folder.TrainingInterrupted`
     run ends quietly with its ``exit_code``, as does output cut short by a closed pipe (status 1);
     Ctrl-C anywhere else ends it with ``NAME.py: interrupted`` and status 130, no traceback.
     """
