@@ -1,9 +1,6 @@
 """experiments/consequences.py on smoke runs: the decoder's unargmaxable set, the estimate."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -16,24 +13,11 @@ from bottleneck.runs.language_model import load_run
 from experiments import consequences
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENTS = ROOT / "experiments"
-
-ENV = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    out = {}
-    for head in ("softmax", "mos"):
-        out[head] = root / head
-        subprocess.run(
-            [sys.executable, str(EXPERIMENTS / "language_model.py"), "--preset",
-             "transformer-smoke", "--head", head, "--epochs", "1", "--no-dynamic_eval",
-             "--out_dir", str(out[head])],
-            cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=600,
-        )  # fmt: skip
-    return out
+def runs(smoke_run):
+    return {"softmax": smoke_run("transformer_softmax"), "mos": smoke_run("transformer_mos")}
 
 
 def test_rows_follow_the_library_functions(runs, tmp_path):
@@ -256,27 +240,27 @@ def test_rows_measured_before_a_failure_are_kept(runs, tmp_path):
     assert row["run_dir"] == str(runs["softmax"]) and row["head"] == "softmax"
     page = (tmp_path / "c.md").read_text().splitlines()
     table = page[4 : page.index("", 4)]
-    assert len(table) == 3 and table[2].split("|")[1].strip() == "softmax"
+    assert len(table) == 3 and table[2].split("|")[1].strip() == runs["softmax"].name
 
 
 def test_merge_keeps_other_runs_rows_and_replaces_a_run_measured_again(runs, tmp_path):
     out = tmp_path / "c.json"
     args = ["--tokens", "6", "--out", str(out)]
     softmax, mos = consequences.main(["--run_dirs", str(runs["softmax"]), str(runs["mos"]), *args])
-    assert (softmax["run"], mos["run"]) == ("softmax", "mos")
+    assert (softmax["run"], mos["run"]) == (runs["softmax"].name, runs["mos"].name)
     # Marked rows: the one measured again must be replaced, the other kept as it was.
     out.write_text(json.dumps([{**softmax, "unargmaxable": -1}, {**mos, "unargmaxable": -2}]))
     rows = consequences.main(["--merge", "--run_dirs", str(runs["softmax"]), *args])
     assert json.loads(out.read_text()) == rows
     assert [(r["run"], r["unargmaxable"]) for r in rows] == [
-        ("softmax", softmax["unargmaxable"]),
-        ("mos", -2),
+        (runs["softmax"].name, softmax["unargmaxable"]),
+        (runs["mos"].name, -2),
     ]
     page = (tmp_path / "c.md").read_text().splitlines()
     assert page[4].startswith("Rows gathered call by call") and page.index("", 6) == 6 + 2 + 2
     # Without --merge the file holds this call's rows only.
     (row,) = consequences.main(["--run_dirs", str(runs["mos"]), *args])
-    assert [r["run"] for r in json.loads(out.read_text())] == ["mos"]
+    assert [r["run"] for r in json.loads(out.read_text())] == [runs["mos"].name]
 
 
 def test_fill_missing_measures_only_what_an_earlier_row_lacks(runs, tmp_path, capsys):

@@ -1,45 +1,23 @@
 """experiments/generate.py: smoke runs of language_model.py, then samples from them; bad inputs.
 
-The training runs are subprocesses (one epoch of the AWD-LSTM's and the Transformer's smoke
-presets, XLA's fast compile mode); generate.py runs in-process.
+The trained runs are the session's shared smoke runs (conftest.py: one epoch of the AWD-LSTM's
+and the Transformer's smoke presets); generate.py runs in-process.
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from experiments import generate
 
-ROOT = Path(__file__).resolve().parents[2]
-
 # The fixture corpus's vocabulary (tests/data/fixtures/ptb), <eos> closing every line.
 WORDS = {"the", "cat", "sat", "on", "mat", "dog", "a", "<unk>", "N", "years", "ago"}
 
 
-def _train(out, *flags):
-    """One epoch of a smoke preset, without the evaluation extras."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_backend_optimization_level=0",
-        "JAX_PLATFORMS": "cpu",
-    }
-    flags = [*flags, "--epochs", "1", "--no-dynamic_eval", "--max_logprob_tokens", "0"]
-    process = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "language_model.py"), *flags, "--out_dir", out],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert process.returncode == 0, process.stderr
-    return out
-
-
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("smoke"), "--preset", "smoke")
+def run_dir(smoke_run):
+    return smoke_run("awd_softmax")
 
 
 def test_samples_are_printed_written_and_a_function_of_the_seed(run_dir, capsys):
@@ -101,9 +79,9 @@ def test_a_run_without_vocab_txt_reads_its_corpus_again(run_dir, tmp_path):
     assert generate.main(["--run_dir", str(copy), *flags]) == texts
 
 
-def test_samples_from_a_transformer_run_within_its_max_len(tmp_path, capsys):
+def test_samples_from_a_transformer_run_within_its_max_len(smoke_run, capsys):
     # The smoke Transformer takes 8 positions: a prompt of 2 and 7 samples fill its cache.
-    run = _train(tmp_path / "transformer", "--preset", "transformer-smoke")
+    run = smoke_run("transformer_softmax")
     flags = ["--run_dir", str(run), "--prompt", "the cat", "--num_samples", "3"]
     texts = generate.main([*flags, "--num_tokens", "7"])
     assert len(texts) == 3 and len(set(texts)) > 1
@@ -115,14 +93,16 @@ def test_samples_from_a_transformer_run_within_its_max_len(tmp_path, capsys):
     assert "need 9 positions; the run's Transformer takes max_len 8" in capsys.readouterr().err
 
 
-def test_bat_tau_truncates_a_softmax_runs_samples_and_refuses_a_mixtures(run_dir, tmp_path, capsys):
+def test_bat_tau_truncates_a_softmax_runs_samples_and_refuses_a_mixtures(
+    run_dir, smoke_run, capsys
+):
     flags = ["--run_dir", str(run_dir), "--num_tokens", "5", "--num_samples", "2"]  # softmax
     plain = generate.main(flags)
     # Every token of 12 words has probability above 1e-6: none needs the LP, the draw is plain's.
     assert generate.main([*flags, "--bat_tau", "1e-6"]) == plain
     for text in generate.main([*flags, "--bat_tau", "0.3"]):
         assert set(text.split()) <= WORDS
-    mixture_run = _train(tmp_path / "mos", "--preset", "smoke", "--head", "mos")
+    mixture_run = smoke_run("awd_mos")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         generate.main(["--run_dir", str(mixture_run), "--bat_tau", "0.1"])

@@ -2,26 +2,19 @@
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
-from test_generate import _train
 
 from bottleneck.runs.language_model import load_run
 from experiments import logit_spread
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spread")
+def runs(smoke_run):
     return {
-        "awd_lstm_mos": _train(
-            root / "awd", "--preset", "smoke", "--head", "mos", "--num_components", "2"
-        ),
-        "transformer_softmax": _train(root / "tf", "--preset", "transformer-smoke"),
+        "awd_lstm_mos": smoke_run("awd_mos"),
+        "transformer_softmax": smoke_run("transformer_softmax"),
     }
 
 

@@ -1,0 +1,63 @@
+"""Trained smoke runs of experiments/language_model.py, shared by every test that reads one.
+
+Each run (:data:`SMOKE_RUNS`) is trained once per test session: one epoch of a smoke preset on
+the fixture corpus, without the evaluation extras. Under pytest-xdist the first worker to ask
+trains it, under a lock in the session's folder that every worker shares, and the others read it.
+Tests read these folders; a test that changes a run's files copies the run first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE_RUNS = {
+    "awd_softmax": ("--preset", "smoke"),
+    "awd_mos": ("--preset", "smoke", "--head", "mos"),  # the smoke head: 2 components
+    "transformer_softmax": ("--preset", "transformer-smoke"),
+    "transformer_mos": ("--preset", "transformer-smoke", "--head", "mos"),
+}
+
+
+def train_smoke_run(out: Path, *flags: str) -> Path:
+    """One epoch of ``language_model.py FLAGS`` in ``out``, without the evaluation extras."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_backend_optimization_level=0",
+        "JAX_PLATFORMS": "cpu",
+    }
+    flags = (*flags, "--epochs", "1", "--no-dynamic_eval", "--max_logprob_tokens", "0")
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "language_model.py"), *flags,
+         "--out_dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert process.returncode == 0, process.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> Callable[[str], Path]:
+    """``smoke_run(NAME)``: the folder of the trained run ``SMOKE_RUNS[NAME]``."""
+    base = tmp_path_factory.getbasetemp()
+    # Every xdist worker has its own basetemp inside the session's folder: share that one.
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / "smoke_runs"
+    root.mkdir(exist_ok=True)
+
+    def trained(name: str) -> Path:
+        out = root / name
+        with open(root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / "results.json").is_file():
+                train_smoke_run(out, *SMOKE_RUNS[name])
+        return out
+
+    return trained
