@@ -38,6 +38,14 @@ def test_the_smoke_corpus_is_package_data_the_smoke_presets_read():
         assert Path(config.data.data_dir) == FIXTURES_DIR
 
 
+def test_the_reports_published_numbers_are_package_data():
+    runs = Path(bottleneck.__file__).parent / "runs"
+    patterns = SETUPTOOLS["package-data"]["bottleneck.runs"]
+    data = [p.name for p in runs.iterdir() if p.suffix == ".json"]
+    assert data == ["published_ptb.json"]
+    assert all(any(fnmatch.fnmatch(name, pattern) for pattern in patterns) for name in data)
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_a_script_copied_out_of_the_checkout_still_runs(script, tmp_path):
     # Alone in a folder: no sibling script, no tests/ folder to import or read.

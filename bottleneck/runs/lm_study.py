@@ -3,20 +3,30 @@ each cell's language model config (:func:`cell_config`).
 
 A cell is one head at one bottleneck width ``d`` and one seed, trained by
 :func:`bottleneck.runs.language_model.run_experiment` in ``OUT_DIR/cells/HEAD-dD-sSEED``; the
-study runs, records and reports them (the script).
+study runs, records and reports them (the script). Each finished cell is a row
+(:func:`cell_row`) of the study's results CSV (:func:`read_results_csv`,
+:func:`merge_results_csv`), keyed by head, d, seed and the digest of the cell's config
+(:func:`config_sha`): a row with the same key is the same cell, wherever it was trained.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import hashlib
+import json
+import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
 
 from bottleneck.data import FIXTURES_DIR
 from bottleneck.nn.presets import HeadName
 from bottleneck.runs import language_model
 from bottleneck.runs.cli import Checked, Count
+from bottleneck.runs.folder import accelerator, code_commit, to_jsonable
 from bottleneck.runs.language_model import AWDLSTMConfig, TransformerConfig
 from bottleneck.train import (
     DataConfig,
@@ -204,3 +214,160 @@ PRESETS: dict[str, Config] = {
         rank_vocab=10_000,
     ),
 }
+
+
+# ----------------------------------------------------------------------------------------------
+# A cell's row
+
+
+def learning_curve(cell: language_model.Config) -> list[dict[str, Any]]:
+    path = Path(cell.out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [line for line in lines if line.get("event") == "epoch"]
+
+
+# A cell converged when early stopping ended it, or when its last three epochs improved the
+# validation perplexity by less than this fraction in all.
+CONVERGED_IMPROVEMENT = 0.005
+# The columns of --results_csv, in order (one row per cell).
+RESULT_COLUMNS = (
+    "corpus", "model", "vocab_size", "head", "d", "seed", "valid_ppl", "test_ppl", "epochs",
+    "best_epoch", "stop_reason", "converged", "seconds_per_epoch", "train_seconds", "params",
+    "valid_curve", "commit", "config_sha", "device", "lr", "dropout",
+)  # fmt: skip
+
+
+def converged(stop_reason: str, valid_ppls: list[float]) -> bool:
+    """The study's criterion: stopped early, or the last 3 epochs improved validation < 0.5%.
+
+    Example:
+      >>> converged("epoch budget (6)", [300.0, 200.0, 150.0, 149.8, 149.6, 149.5])
+      True
+      >>> converged("epoch budget (4)", [300.0, 200.0, 150.0, 140.0])
+      False
+    """
+    if stop_reason.startswith("early"):
+        return True
+    if len(valid_ppls) < 4:
+        return False
+    before, best_after = valid_ppls[-4], min(valid_ppls[-3:])
+    return (before - best_after) / before < CONVERGED_IMPROVEMENT
+
+
+# Model fields added after docs/results/ptb-transformer.csv was recorded, and their defaults
+# (what every recorded cell had): config_sha leaves them out at those defaults.
+ADDED_MODEL_FIELDS = {("transformer", "embedding_features"): None}
+
+
+def config_sha(cell: language_model.Config) -> str:
+    """A digest of what makes a cell's result: its config without folders and evaluation.
+
+    The config as ``config.json`` records it (:func:`~bottleneck.runs.folder.to_jsonable`:
+    ``"model": "transformer"`` and the model's fields under ``"transformer"``) with every other
+    model family's group at its defaults, as when each config held both (the digests in
+    docs/results/ stay valid); the head's options only those it takes; no ``out_dir``,
+    ``evaluation``, ``data.data_dir`` or ``data.tfds_dir``; a model field added since the grid
+    ran left out at its default (:data:`ADDED_MODEL_FIELDS`), so that it changes no digest of a
+    config that does not use it.
+    """
+    tree = to_jsonable(cell)
+    for model in language_model.MODELS:
+        tree.setdefault(model.family, to_jsonable(model()))
+    for (family, name), default in ADDED_MODEL_FIELDS.items():
+        if tree[family].get(name, default) == default:
+            tree[family].pop(name, None)
+    tree.pop("out_dir")
+    tree.pop("evaluation")
+    # Only the options the head takes: a softmax cell is the same whatever K the mixtures use.
+    tree["head"] = {"name": cell.head.name, **to_jsonable(cell.head.options())}
+    tree["data"] = {k: v for k, v in tree["data"].items() if k not in ("data_dir", "tfds_dir")}
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cell_row(
+    config: Config, cell: language_model.Config, results: dict[str, Any], curve: list
+) -> dict:
+    """One cell's result row (the columns of :data:`RESULT_COLUMNS` when it finished)."""
+    row: dict[str, Any] = {
+        "corpus": cell.data.corpus,
+        "model": cell.model.family,
+        "vocab_size": cell.data.vocab_size,
+        "head": cell.head.name,
+        "d": cell.model.head_width,
+        "seed": cell.seed,
+        "status": results["status"],
+    }
+    if results["status"] != "done":
+        return {**row, "error": results["error"]}
+    valid = [r["valid_ppl"] for r in curve]
+    return {
+        **row,
+        "valid_ppl": results["valid_ppl"],
+        "test_ppl": results["test_ppl"],
+        "epochs": results["epochs_trained"],
+        "best_epoch": 1 + int(np.argmin(valid)) if valid else None,
+        "stop_reason": results["stop_reason"],
+        "converged": converged(results["stop_reason"], valid),
+        "seconds_per_epoch": results["seconds_per_epoch"],
+        "train_seconds": sum(r["seconds"] for r in curve),
+        "params": results["num_params"],
+        "valid_curve": " ".join(f"{v:.2f}" for v in valid),
+        "commit": code_commit(),
+        "config_sha": config_sha(cell),
+        "device": accelerator(),  # what the seconds were measured on
+        # the settings a tuned arm varies: the peak rate and the model's main dropout
+        "lr": cell.optimizer.lr,
+        "dropout": main_dropout(cell.model),
+    }
+
+
+def main_dropout(model: AWDLSTMConfig | TransformerConfig) -> float:
+    """The dropout a tuned arm varies: the Transformer's on the residual branches (the tuned
+    arm sets its embedding dropout alike), the AWD-LSTM's on its output."""
+    return model.residual_dropout if isinstance(model, TransformerConfig) else model.dropout
+
+
+def read_results_csv(path: Path) -> dict[tuple[str, int, int, str], dict[str, Any]]:
+    """Rows of a results CSV by (head, d, seed, config_sha), values typed as :func:`cell_row`."""
+    if not path.is_file():
+        return {}
+    rows = {}
+    with path.open(newline="") as f:
+        for raw in csv.DictReader(f):
+            row: dict[str, Any] = dict(raw)
+            for name in ("d", "seed", "epochs", "best_epoch", "params"):
+                row[name] = int(row[name])
+            for name in ("valid_ppl", "test_ppl", "seconds_per_epoch", "train_seconds"):
+                row[name] = float(row[name])
+            row["vocab_size"] = int(row["vocab_size"]) if row["vocab_size"] else None
+            row["converged"] = row["converged"] == "True"
+            row["status"] = "done"
+            row.setdefault("device", "")  # a CSV of before the column: one unknown device
+            for name in ("lr", "dropout"):  # before these columns: None (the CSV's recipe)
+                row[name] = float(row[name]) if row.get(name) else None
+            rows[(row["head"], row["d"], row["seed"], row["config_sha"])] = row
+    return rows
+
+
+def merge_results_csv(path: Path, row: dict[str, Any]) -> None:
+    """Writes ``row`` into the CSV at ``path``, replacing the row of the same cell (atomically)."""
+    rows = read_results_csv(path)
+    key = (row["head"], row["d"], row["seed"])
+    kept = [r for k, r in rows.items() if k[:3] != key] + [row]
+    kept.sort(key=lambda r: (r["vocab_size"] or 0, r["d"], r["head"], r["seed"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in kept:
+            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in RESULT_COLUMNS})
+    os.replace(tmp, path)
+
+
+def curve_from_row(row: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"epoch": i + 1, "valid_ppl": float(v)} for i, v in enumerate(row["valid_curve"].split())
+    ]

@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from bottleneck.runs import lm_study as study
+from bottleneck.runs import lm_study_report as report
 from bottleneck.runs import parse_config
+from bottleneck.runs import statistics as paired_stats
 from experiments import lm_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +101,7 @@ def test_every_finished_cell_has_its_row_in_the_results_csv(smoke):
     out, _ = smoke
     with (out / "rows.csv").open() as f:
         rows = {(r["head"], r["d"], r["seed"]): r for r in csv.DictReader(f)}
-    assert list(next(iter(rows.values()))) == list(lm_study.RESULT_COLUMNS)
+    assert list(next(iter(rows.values()))) == list(study.RESULT_COLUMNS)
     for key, cell in _cells(out).items():
         row = rows[(key[0], str(key[1]), str(key[2]))]
         assert float(row["test_ppl"]) == cell["test_ppl"]
@@ -146,7 +149,7 @@ def test_a_block_another_device_trained_waits_for_a_machine_like_it(env, smoke, 
     rows[0]["device"] = "gpu (Another GPU)"
     csv_path = tmp_path / "rows.csv"
     with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=lm_study.RESULT_COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=study.RESULT_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
     out = tmp_path / "study"
@@ -189,7 +192,7 @@ def test_the_committed_grid_rows_are_recognised_by_their_config_sha(tmp_path):
     # /work/grid/ptb/runs --results_csv docs/results/ptb-transformer.csv --data_dir
     # /work/shared/data/ptb`: the same command (or other folders) must make cells of the same
     # digest, or every recorded cell would be trained again.
-    rows = lm_study.read_results_csv(RESULTS_CSV)
+    rows = study.read_results_csv(RESULTS_CSV)
     assert len(rows) >= 3 and {row["model"] for row in rows.values()} == {"transformer"}
     # A chunk's memory budget changes the speed, not the result: the same digest.
     folders = [
@@ -199,13 +202,13 @@ def test_the_committed_grid_rows_are_recognised_by_their_config_sha(tmp_path):
     for out_dir, data_dir, more in folders:
         argv = ["--out_dir", out_dir, "--results_csv", str(RESULTS_CSV), "--data_dir", data_dir]
         argv += more
-        config = parse_config(lm_study.Config, lm_study.PRESETS, argv)
+        config = parse_config(study.Config, study.PRESETS, argv)
         for head, d, seed, sha in rows:
-            assert lm_study.config_sha(lm_study.cell_config(config, head, d, seed)) == sha
+            assert study.config_sha(study.cell_config(config, head, d, seed)) == sha
     # What makes a result is in the digest: another rate is another cell.
-    config = parse_config(lm_study.Config, lm_study.PRESETS, ["--lr", "0.002"])
+    config = parse_config(study.Config, study.PRESETS, ["--lr", "0.002"])
     head, d, seed, sha = next(iter(rows))
-    assert lm_study.config_sha(lm_study.cell_config(config, head, d, seed)) != sha
+    assert study.config_sha(study.cell_config(config, head, d, seed)) != sha
 
 
 @pytest.mark.parametrize(
@@ -231,10 +234,10 @@ def test_committed_reports_are_what_the_code_writes_from_their_rows(preset, name
 
 
 def test_converged_is_early_stopping_or_a_flat_last_three_epochs():
-    assert lm_study.converged("early stopping (no improvement for 1 epochs)", [10.0, 11.0])
-    assert lm_study.converged("epoch budget (5)", [200.0, 100.0, 99.8, 99.7, 99.6])
-    assert not lm_study.converged("epoch budget (5)", [200.0, 100.0, 99.0, 98.0, 97.0])
-    assert not lm_study.converged("epoch budget (3)", [200.0, 199.9, 199.8])  # too few epochs
+    assert study.converged("early stopping (no improvement for 1 epochs)", [10.0, 11.0])
+    assert study.converged("epoch budget (5)", [200.0, 100.0, 99.8, 99.7, 99.6])
+    assert not study.converged("epoch budget (5)", [200.0, 100.0, 99.0, 98.0, 97.0])
+    assert not study.converged("epoch budget (3)", [200.0, 199.9, 199.8])  # too few epochs
 
 
 def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, awd_smoke, tmp_path):
@@ -300,7 +303,7 @@ def test_bad_flags_exit_with_a_clear_message(args, message, tmp_path, capsys):
 def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     """Each head's gain over softmax is compared seed by seed (they share the data order): the
     spread is the std of the per-seed gains, not of the head's own perplexities."""
-    config = lm_study.Config(heads=("softmax", "mos"), ds=(16,), seeds=(1, 2, 3, 4))
+    config = study.Config(heads=("softmax", "mos"), ds=(16,), seeds=(1, 2, 3, 4))
 
     def row(head, seed, ppl):
         return {"head": head, "d": 16, "seed": seed, "status": "done", "test_ppl": ppl,
@@ -312,7 +315,7 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     rows = [row("softmax", s, p) for s, p in zip((1, 2, 3), softmax, strict=True)]
     rows += [row("mos", s, p) for s, p in zip((1, 2, 3), mos, strict=True)]
     rows.append(row("mos", 4, 105.0))  # no softmax cell of seed 4: in the mean, not the gain
-    table = lm_study.summarize(rows, config)
+    table = report.summarize(rows, config)
     (entry,) = [e for e in table if e["head"] == "mos"]
     per_seed = 100 * (np.array(softmax) - np.array(mos)) / np.array(softmax)
     np.testing.assert_allclose(entry["gain_pct_std"], np.std(per_seed, ddof=1), rtol=1e-12)
@@ -322,12 +325,12 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     np.testing.assert_allclose(entry["gain_ppl"], np.mean(softmax) - np.mean(mos), rtol=1e-12)
     np.testing.assert_allclose(entry["test_ppl"], np.mean(mos + [105.0]), rtol=1e-12)
     rows.append(row("plif", 4, 90.0))  # its one seed has no softmax cell: no gain at all
-    table = lm_study.summarize(rows, dataclasses.replace(config, heads=("softmax", "mos", "plif")))
+    table = report.summarize(rows, dataclasses.replace(config, heads=("softmax", "mos", "plif")))
     (plif,) = [e for e in table if e["head"] == "plif"]
     assert "gain_pct" not in plif and "better_seeds" not in plif
-    text = lm_study.markdown(table, rows, config)
+    text = report.markdown(table, rows, config)
     assert f"{entry['gain_pct']:+.2f} ± {entry['gain_pct_std']:.2f}" in text and "| 2/3 " in text
-    grid = lm_study.gains_by_d(table, config, decimals=1)  # the head x d grid for a README
+    grid = report.gains_by_d(table, config, decimals=1)  # the head x d grid for a README
     low, high = stats.t.interval(
         0.95, 2, loc=per_seed.mean(), scale=np.std(per_seed, ddof=1) / np.sqrt(3)
     )
@@ -340,24 +343,24 @@ def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
     assert grid[1]["d = 16"] in text  # the report carries the grid under its table
     wider = dataclasses.replace(config, heads=("softmax", "sigsoftmax", "mos", "plif"), ds=(16, 32))
     rows.append(row("mos", 1, 95.0) | {"d": 32})  # no softmax cell at d = 32: a blank beside it
-    grid = lm_study.gains_by_d(lm_study.summarize(rows, wider), wider, decimals=1)
+    grid = report.gains_by_d(report.summarize(rows, wider), wider, decimals=1)
     assert [r["head"] for r in grid] == ["softmax (test ppl)", "mos", "plif"]  # no sigsoftmax cell
     assert [r["d = 32"] for r in grid] == ["", "—", ""] and grid[2]["d = 16"] == "—"
-    published = {h: r.text() for h, r in lm_study.PUBLISHED_PTB.items()}
+    published = {h: r.text() for h, r in report.PUBLISHED_PTB.items()}
     assert published == {"softmax": "58.37", "sigsoftmax": "+0.68% vs 58.8",  # Kanai's softmax
                          "plif": "+1.92% vs 58.37", "mos": "+3.32% vs 58.37 (other model)"}  # fmt: skip
-    control = lm_study.PRESETS["control"]  # 64 words: not the papers' setting, no such column
+    control = study.PRESETS["control"]  # 64 words: not the papers' setting, no such column
     at_64 = [r | {"d": 64} for r in rows if r["head"] == "softmax"]
-    (softmax_row,) = lm_study.gains_by_d(lm_study.summarize(at_64, control), control, decimals=1)
+    (softmax_row,) = report.gains_by_d(report.summarize(at_64, control), control, decimals=1)
     assert "published (PTB)" not in softmax_row
-    lm_study.plot_vs_d(table, config, tmp_path / "vs_d.png")
+    report.plot_vs_d(table, config, tmp_path / "vs_d.png")
     assert (tmp_path / "vs_d.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cost_is_the_ratio_to_softmax_seed_by_seed():
     """Seeds that ran on machines of different speeds: each seed's ratio to its own softmax is
     what the cost grid gives (the median and range over seeds), not the ratio of medians."""
-    config = lm_study.Config(heads=("softmax", "plif", "mos"), ds=(16, 32), seeds=(1, 2, 3))
+    config = study.Config(heads=("softmax", "plif", "mos"), ds=(16, 32), seeds=(1, 2, 3))
 
     def row(head, seed, seconds, d=16):
         return {"head": head, "d": d, "seed": seed, "status": "done", "test_ppl": 100.0,
@@ -370,33 +373,33 @@ def test_cost_is_the_ratio_to_softmax_seed_by_seed():
     rows += [row("mos", s, t) for s, t in zip((1, 2, 3), mos, strict=True)]
     rows += [row("plif", 1, 70.0), row("plif", 4, 90.0)]  # seed 4: no softmax, no ratio
     rows += [row("mos", 1, 50.0, d=32)]  # no softmax cell at d = 32
-    table = lm_study.summarize(rows, config)
+    table = report.summarize(rows, config)
     (entry,) = [e for e in table if e["head"] == "mos" and e["d"] == 16]
     ratios = (entry["time_ratio"], entry["time_ratio_min"], entry["time_ratio_max"])
     assert ratios == (2.5, 2.0, 3.0)  # not 200 / 60: the ratio of the medians
-    grid = lm_study.costs_by_d(table, config)
+    grid = report.costs_by_d(table, config)
     assert grid == [
         {"head": "plif", "d = 16": "1.17×", "d = 32": "", "published (PTB)": "1.17×"},
         {"head": "mos", "d = 16": "2.50× (2.00–3.00)", "d = 32": "—", "published (PTB)": "2.50×"},
     ]  # fmt: skip  (Ganea et al.'s ~70 and ~150 s per epoch against softmax's ~60)
-    text = lm_study.markdown(table, rows, config)
+    text = report.markdown(table, rows, config)
     assert "2.50× (2.00–3.00)" in text
     # 5 epochs of 60+60+120+150+180+240+70+90+50 s = 5100 s in all
     assert "the 9 finished cells trained for 1.4 hours in all" in " ".join(text.split())
-    control = lm_study.PRESETS["control"]  # 64 words: not the papers' setting, no such column
-    at_64 = lm_study.summarize([r | {"d": 64} for r in rows if r["d"] == 16], control)
-    assert "published (PTB)" not in lm_study.costs_by_d(at_64, control)[0]
+    control = study.PRESETS["control"]  # 64 words: not the papers' setting, no such column
+    at_64 = report.summarize([r | {"d": 64} for r in rows if r["d"] == 16], control)
+    assert "published (PTB)" not in report.costs_by_d(at_64, control)[0]
     # Seed 3's mos and plif trained on a GPU: out of the seconds (a ratio to the CPU's softmax
     # would read as mos being 50x faster), in the perplexities and the compute, by device.
     gpu = {"device": "gpu (NVIDIA H200)", "seconds_per_epoch": 5.0, "train_seconds": 25.0}
     rows = [r | gpu if (r["seed"], r["head"]) == (3, "mos") else r for r in rows]
     rows.append(row("plif", 3, 5.0) | gpu | {"test_ppl": 90.0})
-    table = lm_study.summarize(rows, config)
+    table = report.summarize(rows, config)
     plif, mos = [e for e in table if e["d"] == 16 and e["head"] in ("mos", "plif")]  # config order
     assert (mos["time_ratio"], mos["time_ratio_min"], mos["time_ratio_max"]) == (2.75, 2.5, 3.0)
     assert (mos["s_per_epoch"], plif["s_per_epoch"]) == (165.0, 80.0)  # seeds 1 and 2; 1 and 4
     assert plif["test_ppl"] == np.mean([100.0, 100.0, 90.0]) and plif["time_ratio"] == 70 / 60
-    text = " ".join(lm_study.markdown(table, rows, config).split())
+    text = " ".join(report.markdown(table, rows, config).split())
     # 5 epochs of 60+60+120+150+180+70+90+50 s on the CPU, 5 of 5+5 s on the GPU
     assert (
         "the 10 finished cells trained for 1.1 hours on cpu for 8 cells and 0.0 hours on gpu "
@@ -405,8 +408,8 @@ def test_cost_is_the_ratio_to_softmax_seed_by_seed():
     assert "compare only the cells trained on cpu: mos-d16-s3, plif-d16-s3 count" in text
     # A head and d whose cells all trained on the GPU has no seconds: a dash, not a number.
     rows = [r | gpu if r["d"] == 32 else r for r in rows]
-    (mos_32,) = [e for e in lm_study.summarize(rows, config) if e["d"] == 32]
-    assert mos_32["s_per_epoch"] is None and lm_study._table_row(mos_32, 1)["s/epoch"] == "—"
+    (mos_32,) = [e for e in report.summarize(rows, config) if e["d"] == 32]
+    assert mos_32["s_per_epoch"] is None and report._table_row(mos_32, 1)["s/epoch"] == "—"
 
 
 def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke, tmp_path):
@@ -433,7 +436,7 @@ def test_paired_t_is_scipy_s_paired_test_and_interval():
     sqrt(3), the p-value the paired t test's of the two heads' perplexities."""
     softmax, head = np.array([120.0, 118.0, 125.0]), np.array([118.5, 118.2, 122.0])
     gains = 100 * (softmax - head) / softmax
-    got = lm_study.paired_t(gains)
+    got = paired_stats.paired_t(gains)
     half = 4.302652729749462 * gains.std(ddof=1) / np.sqrt(3)  # t_{0.975, 2}
     np.testing.assert_allclose(
         [got["ci_low"], got["ci_high"]], [gains.mean() - half, gains.mean() + half]
@@ -441,15 +444,20 @@ def test_paired_t_is_scipy_s_paired_test_and_interval():
     t = gains.mean() / (gains.std(ddof=1) / np.sqrt(3))
     np.testing.assert_allclose(got["p"], 2 * stats.t.sf(abs(t), 2), rtol=1e-10)
     np.testing.assert_allclose(got["p"], stats.ttest_rel(softmax / softmax, head / softmax).pvalue)
-    assert lm_study.paired_t([1.0]) is None  # one seed: no spread, no test
-    assert lm_study.paired_t([2.0, 2.0])["p"] == 0.0 and lm_study.paired_t([0.0, 0.0])["p"] == 1.0
+    assert paired_stats.paired_t([1.0]) is None  # one seed: no spread, no test
+    assert (
+        paired_stats.paired_t([2.0, 2.0])["p"] == 0.0
+        and paired_stats.paired_t([0.0, 0.0])["p"] == 1.0
+    )
 
 
 def test_holm_adjusts_step_down_and_keeps_order():
     # Sorted 0.001, 0.01, 0.02, 0.04 of m = 4: 0.004, 0.03, max(0.03, 0.04), max(0.04, 0.04).
-    np.testing.assert_allclose(lm_study.holm([0.04, 0.001, 0.02, 0.01]), [0.04, 0.004, 0.04, 0.03])
-    assert lm_study.holm([0.5, 0.9]) == [1.0, 1.0]  # capped at 1
-    assert lm_study.holm([]) == []
+    np.testing.assert_allclose(
+        paired_stats.holm([0.04, 0.001, 0.02, 0.01]), [0.04, 0.004, 0.04, 0.03]
+    )
+    assert paired_stats.holm([0.5, 0.9]) == [1.0, 1.0]  # capped at 1
+    assert paired_stats.holm([]) == []
 
 
 def test_power_of_the_paired_t_test():
@@ -459,23 +467,23 @@ def test_power_of_the_paired_t_test():
     samples = rng.normal(effect, spread, size=(40_000, n))
     t = samples.mean(1) / (samples.std(1, ddof=1) / np.sqrt(n))
     simulated = np.mean(np.abs(t) > stats.t.ppf(0.975, n - 1))
-    assert abs(lm_study.paired_power(effect, spread, n) - simulated) < 0.01
-    detectable = lm_study.detectable_gain(0.75, 3)
-    np.testing.assert_allclose(lm_study.paired_power(detectable, 0.75, 3), 0.8, atol=1e-9)
+    assert abs(paired_stats.paired_power(effect, spread, n) - simulated) < 0.01
+    detectable = paired_stats.detectable_gain(0.75, 3)
+    np.testing.assert_allclose(paired_stats.paired_power(detectable, 0.75, 3), 0.8, atol=1e-9)
     assert 2.4 < detectable < 2.5  # about 3.26 spreads with three seeds
-    needed = lm_study.seeds_needed(1.0, 0.75)
+    needed = paired_stats.seeds_needed(1.0, 0.75)
     assert needed == 7  # Issue #48's estimate
     assert (
-        lm_study.paired_power(1.0, 0.75, needed - 1)
+        paired_stats.paired_power(1.0, 0.75, needed - 1)
         < 0.8
-        <= lm_study.paired_power(1.0, 0.75, needed)
+        <= paired_stats.paired_power(1.0, 0.75, needed)
     )
 
 
 def test_gain_trend_is_least_squares_on_log2_d():
     ds = [16, 16, 32, 32, 64, 64, 128, 128]
     gains = [2.0, 1.0, 1.5, 0.5, 0.0, -0.5, -1.0, -1.5]
-    trend = lm_study.gain_trend(ds, gains)
+    trend = paired_stats.gain_trend(ds, gains)
     x = np.log2(ds)
     slope, intercept = np.polyfit(x, gains, 1)
     residuals = np.array(gains) - (slope * x + intercept)
@@ -484,13 +492,13 @@ def test_gain_trend_is_least_squares_on_log2_d():
     np.testing.assert_allclose(
         [trend["slope"], trend["ci_low"], trend["ci_high"]], [slope, slope - half, slope + half]
     )
-    assert trend["cells"] == 8 and lm_study.gain_trend([16, 16, 16], [1.0, 2.0, 3.0]) is None
+    assert trend["cells"] == 8 and paired_stats.gain_trend([16, 16, 16], [1.0, 2.0, 3.0]) is None
 
 
 def test_report_gives_intervals_holm_power_trend_and_device_crossings():
     """Two heads, two d's, three seeds; seed 3's mos at d = 32 trained on a GPU, its softmax on
     the CPU: the pair crosses devices and the report gives the gain without it too."""
-    config = lm_study.Config(heads=("softmax", "plif", "mos"), ds=(16, 32), seeds=(1, 2, 3))
+    config = study.Config(heads=("softmax", "plif", "mos"), ds=(16, 32), seeds=(1, 2, 3))
 
     def row(head, d, seed, ppl, device="cpu"):
         return {"head": head, "d": d, "seed": seed, "status": "done", "test_ppl": ppl,
@@ -503,16 +511,16 @@ def test_report_gives_intervals_holm_power_trend_and_device_crossings():
         row(head, d, seed, p + (d == 32) * 10, "gpu" if (head, d, seed) == ("mos", 32, 3) else "cpu")
         for head, values in ppl.items() for d in (16, 32) for seed, p in zip((1, 2, 3), values, strict=True)
     ]  # fmt: skip
-    table = lm_study.summarize(rows, config)
+    table = report.summarize(rows, config)
     entries = {(e["head"], e["d"]): e for e in table if e["head"] != "softmax"}
     p_values = [entries[k]["p_value"] for k in entries]
-    np.testing.assert_allclose([entries[k]["p_holm"] for k in entries], lm_study.holm(p_values))
+    np.testing.assert_allclose([entries[k]["p_holm"] for k in entries], paired_stats.holm(p_values))
     assert {e["comparisons"] for e in entries.values()} == {4}
     mos32 = entries[("mos", 32)]
     assert mos32["cross_device_seeds"] == [3] and entries[("mos", 16)]["cross_device_seeds"] == []
     kept = [100 * (s - h) / s for s, h in ((110.0, 108.0), (112.0, 109.0))]  # seeds 1 and 2
     np.testing.assert_allclose(mos32["same_device"]["gain_pct"], np.mean(kept))
-    text = lm_study.markdown(table, rows, config)
+    text = report.markdown(table, rows, config)
     assert "Holm over all 4 head × d comparisons" in " ".join(text.split())
     plif16 = entries[("plif", 16)]
     low, high = plif16["gain_ci"]
@@ -520,12 +528,12 @@ def test_report_gives_intervals_holm_power_trend_and_device_crossings():
     assert f"[{low:+.2f}, {high:+.2f}]" in text and reading in text
     assert "seed 3 crosses" in text and f"{np.mean(kept):+.2f}" in text
     spread = np.median([e["gain_pct_std"] for e in entries.values()])
-    assert f"{lm_study.detectable_gain(spread, 3):.2f}" in text
-    trend = lm_study.gain_trend(
+    assert f"{paired_stats.detectable_gain(spread, 3):.2f}" in text
+    trend = paired_stats.gain_trend(
         [16] * 3 + [32] * 3, plif16["seed_gains_pct"] + entries[("plif", 32)]["seed_gains_pct"]
     )
     assert f"{trend['slope']:+.2f}" in text
-    grid = lm_study.gains_by_d(table, config, decimals=1)
+    grid = report.gains_by_d(table, config, decimals=1)
     assert grid[2]["d = 32"].endswith("(3/3)†") and not grid[2]["d = 16"].endswith("†")
 
 
@@ -542,7 +550,7 @@ def test_the_tuned_arm_picks_each_head_s_setting_by_its_first_seed(tmp_path):
     """Two settings besides the recipe's at d = 128, seeds 1-3: each head takes the setting of
     its best seed-1 validation (softmax the recipe, plif lr 0.001), and plif's tuned gain is
     over softmax at softmax's choice, paired by seed, beside the recipe's gain on those seeds."""
-    config = lm_study.Config(heads=("softmax", "plif"), ds=(128,), seeds=(1, 2, 3, 4), rank_d=None,
+    config = study.Config(heads=("softmax", "plif"), ds=(128,), seeds=(1, 2, 3, 4), rank_d=None,
                              results_csv=str(tmp_path / "grid.csv"),
                              tuned_csvs=(str(tmp_path / "lr1e-3.csv"), str(tmp_path / "p0.2.csv")))  # fmt: skip
     recipe = {"softmax": [100.0, 101.0, 102.0, 103.0], "plif": [104.0, 103.0, 106.0, 107.0]}
@@ -552,18 +560,17 @@ def test_the_tuned_arm_picks_each_head_s_setting_by_its_first_seed(tmp_path):
         ("p0.2.csv", 0.003, 0.2): {"softmax": (101.0, [99, 99, 99]), "plif": (99.0, [90.0, 90.0, 90.0])},
     }  # fmt: skip
     for row in grid:
-        lm_study.merge_results_csv(Path(config.results_csv), row)
+        study.merge_results_csv(Path(config.results_csv), row)
     for (name, lr, dropout), heads in tuned.items():
         for head, (valid, tests) in heads.items():
             for seed, test in enumerate(tests, 1):
                 row = _csv_row(head, 128, seed, test, valid if seed == 1 else test, lr, dropout)
-                lm_study.merge_results_csv(tmp_path / name, row)
+                study.merge_results_csv(tmp_path / name, row)
     rows = [
-        {**r, "status": "done"}
-        for r in lm_study.read_results_csv(Path(config.results_csv)).values()
+        {**r, "status": "done"} for r in study.read_results_csv(Path(config.results_csv)).values()
     ]
-    entries = {e["head"]: e for e in lm_study.tuned_arm(config, rows)}
-    recipe_setting = (config.trunk.optimizer.lr, lm_study.main_dropout(config.trunk.model))
+    entries = {e["head"]: e for e in report.tuned_arm(config, rows)}
+    recipe_setting = (config.trunk.optimizer.lr, study.main_dropout(config.trunk.model))
     assert entries["softmax"]["setting"] == recipe_setting  # 100 < 101 < 105 at seed 1
     assert entries["plif"]["setting"] == (0.001, 0.1)  # 95 < 99 < 104
     assert entries["plif"]["seeds"] == [1, 2, 3]  # the arm's seeds, not the grid's fourth
@@ -573,63 +580,63 @@ def test_the_tuned_arm_picks_each_head_s_setting_by_its_first_seed(tmp_path):
         100 * (b - h) / b for b, h in zip(recipe["softmax"], recipe["plif"], strict=True)
     ][:3]
     np.testing.assert_allclose(entries["plif"]["recipe"]["gain_pct"], np.mean(recipe_gains))
-    text = lm_study._tuned_text(list(entries.values()), config)
+    text = report._tuned_text(list(entries.values()), config)
     assert "lr 0.001, dropout 0.1" in text and "95.00" in text
 
 
 def test_the_convergence_probe_compares_a_longer_budget_with_the_gain_s_half_width(tmp_path):
-    config = lm_study.Config(heads=("softmax", "mos"), ds=(32,), seeds=(1, 2, 3), rank_d=None,
+    config = study.Config(heads=("softmax", "mos"), ds=(32,), seeds=(1, 2, 3), rank_d=None,
                              probe_csv=str(tmp_path / "probe.csv"))  # fmt: skip
     rows = [_csv_row("softmax", 32, s, 100.0 + s) for s in (1, 2, 3)]
     rows += [
         _csv_row("mos", 32, s, p) for s, p in zip((1, 2, 3), (99.0, 100.0, 103.0), strict=True)
     ]
-    table = lm_study.summarize(rows, config)
+    table = report.summarize(rows, config)
     (mos,) = [e for e in table if e["head"] == "mos"]
     half = (mos["gain_ci"][1] - mos["gain_ci"][0]) / 2
-    lm_study.merge_results_csv(tmp_path / "probe.csv", _csv_row("softmax", 32, 1, 100.5, epochs=26))
-    lm_study.merge_results_csv(tmp_path / "probe.csv", _csv_row("mos", 32, 1, 90.0, epochs=26))
-    entries = {e["head"]: e for e in lm_study.convergence_probe(config, rows, table)}
+    study.merge_results_csv(tmp_path / "probe.csv", _csv_row("softmax", 32, 1, 100.5, epochs=26))
+    study.merge_results_csv(tmp_path / "probe.csv", _csv_row("mos", 32, 1, 90.0, epochs=26))
+    entries = {e["head"]: e for e in report.convergence_probe(config, rows, table)}
     np.testing.assert_allclose(entries["softmax"]["change_pct"], 100 * (100.5 - 101) / 101)
     np.testing.assert_allclose(entries["mos"]["change_pct"], 100 * (90 - 99) / 99)
     assert entries["softmax"]["half_width"] == entries["mos"]["half_width"] == half
-    text = lm_study._probe_text(list(entries.values()), config)
+    text = report._probe_text(list(entries.values()), config)
     assert "13 → 26" in text and "| yes " in text and "| no " in text
 
 
 def test_the_fixed_embedding_keeps_the_trunk_across_d_under_digests_of_its_own(capsys):
-    fixed = parse_config(lm_study.Config, lm_study.PRESETS, ["--embedding", "fixed"])
-    factorized = parse_config(lm_study.Config, lm_study.PRESETS, [])
+    fixed = parse_config(study.Config, study.PRESETS, ["--embedding", "fixed"])
+    factorized = parse_config(study.Config, study.PRESETS, [])
     assert factorized.embedding == "factorized"
     for d in fixed.ds:
-        cell = lm_study.cell_config(fixed, "softmax", d, 1)
+        cell = study.cell_config(fixed, "softmax", d, 1)
         assert (cell.model.head_features, cell.model.embedding_features) == (d, 128)
-        old = lm_study.cell_config(factorized, "softmax", d, 1)
+        old = study.cell_config(factorized, "softmax", d, 1)
         assert old.model.embedding_features is None
-        assert lm_study.config_sha(cell) != lm_study.config_sha(old)
+        assert study.config_sha(cell) != study.config_sha(old)
     narrow = parse_config(
-        lm_study.Config, lm_study.PRESETS, ["--embedding", "fixed", "--embedding_features", "64"]
+        study.Config, study.PRESETS, ["--embedding", "fixed", "--embedding_features", "64"]
     )
-    assert lm_study.cell_config(narrow, "mos", 16, 1).model.embedding_features == 64
-    assert "(fixed trunk: decoder E Q)" in lm_study.title(fixed, [])
+    assert study.cell_config(narrow, "mos", 16, 1).model.embedding_features == 64
+    assert "(fixed trunk: decoder E Q)" in report.title(fixed, [])
     for argv, message in [
         (["--embedding_features", "64"], "give it with --embedding fixed"),
         (["--preset", "awd-smoke", "--embedding", "fixed"], "is a Transformer's"),
     ]:
         with pytest.raises(SystemExit):
-            parse_config(lm_study.Config, lm_study.PRESETS, argv)
+            parse_config(study.Config, study.PRESETS, argv)
         assert message in capsys.readouterr().err
 
 
 def test_the_report_names_the_trunk_and_mixtape_s_gate_sharing_from_the_config():
     """A fixed-trunk grid with gate sharing is not described as the factorized grid without it."""
-    trunk = lm_study.Config().trunk
+    trunk = study.Config().trunk
     sharing = dataclasses.replace(
         trunk, head=dataclasses.replace(trunk.head, shared_gate_below=100)
     )
-    fixed = lm_study.Config(embedding="fixed", trunk=sharing)
-    text = lm_study._design_text([], [], fixed)
+    fixed = study.Config(embedding="fixed", trunk=sharing)
+    text = report._design_text([], [], fixed)
     assert "fixed trunk" in text and "factorized" not in text
     assert "words seen fewer than 100 times" in text and "without gate sharing" not in text
-    old = lm_study._design_text([], [], lm_study.Config())
+    old = report._design_text([], [], study.Config())
     assert "factorized-embedding trunk" in old and "Mixtape without gate sharing" in old
