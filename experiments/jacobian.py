@@ -154,6 +154,19 @@ def plot_spectra(layers: list[dict], title: str, path: str) -> None:
     plt.close(fig)
 
 
+def summary_row(layer: dict) -> dict:
+    """A layer's row of results.csv: its near-zero count and its spectrum's extremes."""
+    return {
+        "layer": layer["name"],
+        "K": layer["K"],
+        "gates": layer["gates"],
+        "near_zero_count": layer["near_zero_count"],
+        "largest": layer["singular_values"][0],
+        "median": float(np.median(layer["singular_values"])),
+        "smallest": layer["singular_values"][-1],
+    }
+
+
 def run(config: Config, out: RunDir) -> list[dict]:
     """Compute every layer's mean spectrum; write results.json, results.csv, the plot; return rows."""
     inputs_key, params_key = jax.random.split(jax.random.key(config.seed))
@@ -201,18 +214,7 @@ def run(config: Config, out: RunDir) -> list[dict]:
             "layers": layers,
         },
     )
-    rows = [
-        {
-            "layer": layer["name"],
-            "K": layer["K"],
-            "gates": layer["gates"],
-            "near_zero_count": layer["near_zero_count"],
-            "largest": layer["singular_values"][0],
-            "median": float(np.median(layer["singular_values"])),
-            "smallest": layer["singular_values"][-1],
-        }
-        for layer in layers
-    ]
+    rows = [summary_row(layer) for layer in layers]
     out.write_csv("results.csv", rows)
     title = (
         f"Mean Jacobian singular values over {config.num_inputs} standard normal inputs, "

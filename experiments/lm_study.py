@@ -201,6 +201,12 @@ def rank_cells(config: Config, run: RunDir) -> list[dict[str, Any]]:
     return ranks
 
 
+def run_hook(command: str, name: str, results_csv: Path | None) -> None:
+    """``--after_cell``'s command for the cell ``name``, with $CELL and $RESULTS_CSV set."""
+    env = {**os.environ, "CELL": name, "RESULTS_CSV": str(results_csv or "")}
+    subprocess.run(command, shell=True, env=env, check=False)
+
+
 def run_study(config: Config) -> dict[str, Any]:
     root = Path(config.out_dir)
     run = open_run(root, config, resume=True)
@@ -249,8 +255,7 @@ def run_study(config: Config) -> dict[str, Any]:
             recorded[key] = row
             landed = True
         if landed and config.after_cell:
-            env = {**os.environ, "CELL": name, "RESULTS_CSV": str(results_csv or "")}
-            subprocess.run(config.after_cell, shell=True, env=env, check=False)
+            run_hook(config.after_cell, name, results_csv)
     ranks = rank_cells(config, run) if config.rank_d is not None else []
     study = write_report(run, config, rows, curves, ranks)
     study["seconds_this_invocation"] = time.perf_counter() - start

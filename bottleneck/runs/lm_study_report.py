@@ -180,9 +180,29 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
     """The results page's body: what the grid is, the table of heads x d, the gains' statistics
     (intervals, p-values, Holm, the design's power, the trend with d, the pairs that cross
     devices), the head x d grid beside the published gains, the cost, the compute."""
-    trunk, decimals = config.trunk, _decimals(table)
     done = [r for r in rows if r["status"] == "done"]
-    lines = [
+    tested = [e for e in table if e.get("p_value") is not None]
+    lines = _table_section(table, done, config) + _stats_section(tested)
+    lines += _grid_section(table, config)
+    if tested:
+        lines += ["", _power_text(tested)]
+        lines += _trend_section(table, config) + _crossing_section(tested)
+    lines += _cost_section(table, config)
+    if config.tuned_csvs:
+        lines += ["", _tuned_text(tuned_arm(config, rows), config)]
+    if config.probe_csv is not None:
+        lines += ["", _probe_text(convergence_probe(config, rows, table), config)]
+    if done:
+        lines += ["", _compute_text(done, main_device(rows))]
+    return "\n".join(lines + _status_section(rows)) + "\n"
+
+
+def _table_section(
+    table: list[dict[str, Any]], done: list[dict[str, Any]], config: Config
+) -> list[str]:
+    """What the grid is, then the table of heads x d."""
+    trunk = config.trunk
+    return [
         _design_text(table, done, config),
         "",
         "Test perplexity of the best-validation model, mean ± std over seeds; gain = softmax's "
@@ -197,83 +217,100 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
         "early, or their last three epochs improved validation by less than "
         f"{100 * CONVERGED_IMPROVEMENT:g}% in all.",
         "",
-        markdown_table([_table_row(e, decimals) for e in table]),
+        markdown_table([_table_row(e, _decimals(table)) for e in table]),
     ]
-    tested = [e for e in table if e.get("p_value") is not None]
-    if tested:
-        lines += [
-            "",
-            f"The gains' statistics: the paired {1 - ALPHA:.0%} confidence interval of the mean "
-            "gain in % (a t interval over the per-seed gains, ddof = 1), the p-value of the "
-            "paired t test (two-sided) and the same p-value corrected for multiplicity by Holm "
-            f"over all {tested[0]['comparisons']} head × d comparisons of the grid. Where the "
-            "interval spans 0 the reading is 'no detectable difference'; otherwise a gain or a "
-            f"loss at {1 - ALPHA:.0%} for that comparison alone, and 'after Holm' where the "
-            f"corrected p is below {ALPHA:g} too. 'Devices' names the seeds whose head and "
-            "softmax cells trained on different devices (below: the gains without them).",
-            "",
-            markdown_table([_stats_row(e) for e in tested]),
-        ]
-    grid = gains_by_d(table, config, decimals)
-    lines += [
+
+
+def _stats_section(tested: list[dict[str, Any]]) -> list[str]:
+    """The gains' intervals, p-values and Holm's correction (none below two paired seeds)."""
+    if not tested:
+        return []
+    return [
         "",
+        f"The gains' statistics: the paired {1 - ALPHA:.0%} confidence interval of the mean "
+        "gain in % (a t interval over the per-seed gains, ddof = 1), the p-value of the "
+        "paired t test (two-sided) and the same p-value corrected for multiplicity by Holm "
+        f"over all {tested[0]['comparisons']} head × d comparisons of the grid. Where the "
+        "interval spans 0 the reading is 'no detectable difference'; otherwise a gain or a "
+        f"loss at {1 - ALPHA:.0%} for that comparison alone, and 'after Holm' where the "
+        f"corrected p is below {ALPHA:g} too. 'Devices' names the seeds whose head and "
+        "softmax cells trained on different devices (below: the gains without them).",
+        "",
+        markdown_table([_stats_row(e) for e in tested]),
+    ]
+
+
+def _grid_section(table: list[dict[str, Any]], config: Config) -> list[str]:
+    """The gains as a head x d grid, beside the published gains on PTB."""
+    grid = gains_by_d(table, config, _decimals(table))
+    legend = (
         "The same gains, a column per d (softmax's row: its test perplexity; the others': mean "
         f"gain over softmax in %, its paired {1 - ALPHA:.0%} interval, and in how many paired "
-        "seeds the head wins; † where a seed's pair crosses devices)",
-    ]
+        "seeds the head wins; † where a seed's pair crosses devices)"
+    )
     if grid and "published (PTB)" in grid[0]:
-        lines[-1] += ", and the head's published gain on PTB, " + _published_text()
-    lines[-1] += ":"
-    lines += ["", markdown_table(grid)]
-    if tested:
-        lines += ["", _power_text(tested)]
-        trends = gain_trends(table, config)
-        if trends:
-            lines += [
-                "",
-                "The trend with d: each head's least-squares slope of the per-seed gain (in "
-                f"points of %) on log2 d, over its {trends[0]['cells']} cells (d, seed), with "
-                f"its {1 - ALPHA:.0%} t interval (n - 2 degrees of freedom; the seeds of one "
-                "head share their data order across d, so the cells are not quite independent "
-                "and the interval is, if anything, too narrow). " + _trend_caveat(table, config),
-                "",
-                markdown_table([_trend_row(t) for t in trends]),
-            ]
-        crossing = [e for e in tested if e["cross_device_seeds"]]
-        if crossing:
-            lines += [
-                "",
-                "Pairs that cross devices: a head and its softmax of one seed trained on "
-                "different devices, whose float arithmetic differs, so that a device's effect "
-                "passes for the head's in those seeds. Their gains with every seed "
-                "and without the crossing ones:",
-                "",
-                markdown_table([_crossing_row(e) for e in crossing]),
-            ]
+        legend += ", and the head's published gain on PTB, " + _published_text()
+    return ["", legend + ":", "", markdown_table(grid)]
+
+
+def _trend_section(table: list[dict[str, Any]], config: Config) -> list[str]:
+    """Each head's slope of the gain on log2 d, with its interval."""
+    trends = gain_trends(table, config)
+    if not trends:
+        return []
+    return [
+        "",
+        "The trend with d: each head's least-squares slope of the per-seed gain (in "
+        f"points of %) on log2 d, over its {trends[0]['cells']} cells (d, seed), with "
+        f"its {1 - ALPHA:.0%} t interval (n - 2 degrees of freedom; the seeds of one "
+        "head share their data order across d, so the cells are not quite independent "
+        "and the interval is, if anything, too narrow). " + _trend_caveat(table, config),
+        "",
+        markdown_table([_trend_row(t) for t in trends]),
+    ]
+
+
+def _crossing_section(tested: list[dict[str, Any]]) -> list[str]:
+    """The comparisons with a seed whose head and softmax trained on different devices."""
+    crossing = [e for e in tested if e["cross_device_seeds"]]
+    if not crossing:
+        return []
+    return [
+        "",
+        "Pairs that cross devices: a head and its softmax of one seed trained on "
+        "different devices, whose float arithmetic differs, so that a device's effect "
+        "passes for the head's in those seeds. Their gains with every seed "
+        "and without the crossing ones:",
+        "",
+        markdown_table([_crossing_row(e) for e in crossing]),
+    ]
+
+
+def _cost_section(table: list[dict[str, Any]], config: Config) -> list[str]:
+    """Each head's seconds per epoch over softmax's, paired by seed."""
     costs = costs_by_d(table, config)
-    if costs:
-        lines += [
-            "",
-            "Cost: each head's seconds per epoch over softmax's at the same d and seed, the "
-            "median over the paired seeds (smallest–largest). A seed's cells run one after "
-            "another, usually on one machine, so the ratio cancels the machine's speed, which "
-            "the s/epoch column above does not where seeds ran on different machines"
-            + (
-                "; the last column is the published ratio on PTB (the seconds per epoch in the "
-                "sources above, on a GPU)"
-                if "published (PTB)" in costs[0]
-                else ""
-            )
-            + ":",
-            "",
-            markdown_table(costs),
-        ]
-    if config.tuned_csvs:
-        lines += ["", _tuned_text(tuned_arm(config, rows), config)]
-    if config.probe_csv is not None:
-        lines += ["", _probe_text(convergence_probe(config, rows, table), config)]
-    if done:
-        lines += ["", _compute_text(done, main_device(rows))]
+    if not costs:
+        return []
+    published = (
+        "; the last column is the published ratio on PTB (the seconds per epoch in the "
+        "sources above, on a GPU)"
+        if "published (PTB)" in costs[0]
+        else ""
+    )
+    return [
+        "",
+        "Cost: each head's seconds per epoch over softmax's at the same d and seed, the "
+        "median over the paired seeds (smallest–largest). A seed's cells run one after "
+        "another, usually on one machine, so the ratio cancels the machine's speed, which "
+        "the s/epoch column above does not where seeds ran on different machines" + published + ":",
+        "",
+        markdown_table(costs),
+    ]
+
+
+def _status_section(rows: list[dict[str, Any]]) -> list[str]:
+    """The pending cells (the report is then partial) and the failed ones."""
+    lines = []
     pending = [r for r in rows if r["status"] == "pending"]
     if pending:
         lines += [
@@ -286,7 +323,7 @@ def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Co
     if failed:
         lines += ["", "Failed cells (rerun the command to retry them):", ""]
         lines += [f"- {cell_name(r['head'], r['d'], r['seed'])}: {r['error']}" for r in failed]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _setting(row: dict[str, Any], config: Config) -> tuple[float, float]:
@@ -453,27 +490,8 @@ def _design_text(table: list[dict[str, Any]], done: list[dict[str, Any]], config
     """What the grid is, in the report's first paragraph: the trunk and what d sizes, the
     seeds, the devices, the heads' settings beside the papers', the learning rate's schedule
     and whether the cells that ended their budget were still improving."""
-    trunk, model = config.trunk, config.trunk.model
-    if model.family == "transformer" and config.embedding == "fixed":
-        what = (
-            f"a fixed trunk: {model.num_layers} pre-norm Transformer layers of width "
-            f"{model.d_model} with the same input embedding at every d (a "
-            f"{model.embedding_features or model.d_model}-wide table, tied with the head's "
-            "decoder through a learned map Q: W = E Q), so only the head changes with d"
-        )
-    elif model.family == "transformer":
-        what = (
-            f"a factorized-embedding trunk: {model.num_layers} pre-norm Transformer layers of "
-            f"width {model.d_model} whose input embedding also has width d (a d-wide table "
-            f"tied with the head's decoder, projected up to {model.d_model}), so d sizes the "
-            "input embedding as well as the head's input"
-        )
-    else:
-        what = (
-            f"a {model.nlayers}-layer AWD-LSTM whose last layer, tied embedding and head input "
-            "have width d"
-        )
-    parts = [f"The grid: {what}; seeds {', '.join(map(str, config.seeds))}"]
+    trunk = config.trunk
+    parts = [f"The grid: {_trunk_text(config)}; seeds {', '.join(map(str, config.seeds))}"]
     softmax = sorted((e for e in table if e["head"] == "softmax"), key=lambda e: e["d"])
     if len(softmax) > 1:
         parts[-1] += (
@@ -487,22 +505,7 @@ def _design_text(table: list[dict[str, Any]], done: list[dict[str, Any]], config
             for dev in devices
         )
     parts[-1] += "."
-    heads, head = set(config.heads), trunk.head
-    settings = []
-    if heads & {"mos", "moss", "mos_plif", "mixtape"}:
-        settings.append(
-            f"the mixtures at K = {head.num_components} with {head.latent} latents (Yang et al. "
-            "2018: K = 15, tanh)"
-        )
-    if "mixtape" in heads and head.shared_gate_below is None:
-        settings.append("Mixtape without gate sharing")
-    elif "mixtape" in heads:
-        settings.append(
-            f"Mixtape with gate sharing (words seen fewer than {head.shared_gate_below:g} times "
-            "in training share one gate)"
-        )
-    if heads & {"plif", "mos_plif"}:
-        settings.append(f"PLIF at {head.num_knots:,} knots (Ganea et al. 2019: 10^5)")
+    settings = _head_settings(config)
     if settings:
         parts.append("Heads: " + ", ".join(settings) + ".")
     optimizer = trunk.optimizer
@@ -520,6 +523,50 @@ def _design_text(table: list[dict[str, Any]], done: list[dict[str, Any]], config
             f"{len(improving)} still improved validation in their last epoch."
         )
     return " ".join(parts)
+
+
+def _trunk_text(config: Config) -> str:
+    """The trunk, and what d sizes besides the head's input."""
+    model = config.trunk.model
+    if model.family == "transformer" and config.embedding == "fixed":
+        return (
+            f"a fixed trunk: {model.num_layers} pre-norm Transformer layers of width "
+            f"{model.d_model} with the same input embedding at every d (a "
+            f"{model.embedding_features or model.d_model}-wide table, tied with the head's "
+            "decoder through a learned map Q: W = E Q), so only the head changes with d"
+        )
+    if model.family == "transformer":
+        return (
+            f"a factorized-embedding trunk: {model.num_layers} pre-norm Transformer layers of "
+            f"width {model.d_model} whose input embedding also has width d (a d-wide table "
+            f"tied with the head's decoder, projected up to {model.d_model}), so d sizes the "
+            "input embedding as well as the head's input"
+        )
+    return (
+        f"a {model.nlayers}-layer AWD-LSTM whose last layer, tied embedding and head input "
+        "have width d"
+    )
+
+
+def _head_settings(config: Config) -> list[str]:
+    """The heads' settings that differ from their papers', each beside the paper's."""
+    heads, head = set(config.heads), config.trunk.head
+    settings = []
+    if heads & {"mos", "moss", "mos_plif", "mixtape"}:
+        settings.append(
+            f"the mixtures at K = {head.num_components} with {head.latent} latents (Yang et al. "
+            "2018: K = 15, tanh)"
+        )
+    if "mixtape" in heads and head.shared_gate_below is None:
+        settings.append("Mixtape without gate sharing")
+    elif "mixtape" in heads:
+        settings.append(
+            f"Mixtape with gate sharing (words seen fewer than {head.shared_gate_below:g} times "
+            "in training share one gate)"
+        )
+    if heads & {"plif", "mos_plif"}:
+        settings.append(f"PLIF at {head.num_knots:,} knots (Ganea et al. 2019: 10^5)")
+    return settings
 
 
 def _last_epoch_improved(row: dict[str, Any]) -> bool:

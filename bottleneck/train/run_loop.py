@@ -87,7 +87,7 @@ from bottleneck.train.lm import (
     num_eval_windows,
 )
 from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
-from bottleneck.train.nt_asgd import EpochPolicy, NtAsgdStatus
+from bottleneck.train.nt_asgd import EpochOutcome, EpochPolicy, NtAsgdStatus
 from bottleneck.train.steps import Trainer
 
 logger = logging.getLogger(__name__)
@@ -361,27 +361,7 @@ class LanguageModelRun:
                 self.trainer.state = self.trainer.state._replace(
                     num_averaged=jnp.zeros((), jnp.int32)
                 )
-            seconds = self.partial["seconds"]
-            compiling = self.partial.get("compile_seconds", 0.0)
-            train_loss = self.partial["nll_sum"] / max(self.partial["tokens"], 1)
-            record = {
-                "event": "epoch",
-                "stage": "train" if self.training.finetune_from is None else "finetune",
-                "epoch": self.epoch + 1,
-                "step": int(self.trainer.state.step),
-                "train_loss": train_loss,
-                "train_ppl": perplexity(train_loss),
-                "valid_loss": val_loss,
-                "valid_ppl": perplexity(val_loss),
-                "best_valid_ppl": perplexity(outcome.status.best_val_loss),
-                "averaged": self.status.averaging,
-                "switched_to_asgd": outcome.switched,
-                "seconds": seconds,  # wall time of the epoch's steps, compiling included
-                "compile_seconds": compiling,
-                # the steps' own rate: a first epoch's compiles would understate it many times
-                "tokens_per_second": self.partial["tokens"] / max(seconds - compiling, 1e-9),
-                "valid_seconds": val_seconds,
-            }
+            record = self._epoch_record(val_loss, val_seconds, outcome)
             self.status = outcome.status
             self.records.append(record)
             patience = self.training.patience
@@ -393,6 +373,7 @@ class LanguageModelRun:
             self.partial = dict(NO_PARTIAL_EPOCH)
             self.save()
             self.run.log_metrics(record)
+            seconds, compiling = record["seconds"], record["compile_seconds"]
             logger.info(
                 f"epoch {record['epoch']:4d} | train ppl {record['train_ppl']:9.2f} | valid ppl "
                 f"{record['valid_ppl']:9.2f} | {seconds:7.1f} s"
@@ -405,6 +386,30 @@ class LanguageModelRun:
             if self.status.finished:
                 reason = stop_reason(self.records, self.status, self.training)
                 logger.info("%s: training stops", reason)
+
+    def _epoch_record(self, val_loss: float, val_seconds: float, outcome: EpochOutcome) -> dict:
+        """The epoch's line of metrics.jsonl (before the early-stopping mark)."""
+        seconds = self.partial["seconds"]
+        compiling = self.partial.get("compile_seconds", 0.0)
+        train_loss = self.partial["nll_sum"] / max(self.partial["tokens"], 1)
+        return {
+            "event": "epoch",
+            "stage": "train" if self.training.finetune_from is None else "finetune",
+            "epoch": self.epoch + 1,
+            "step": int(self.trainer.state.step),
+            "train_loss": train_loss,
+            "train_ppl": perplexity(train_loss),
+            "valid_loss": val_loss,
+            "valid_ppl": perplexity(val_loss),
+            "best_valid_ppl": perplexity(outcome.status.best_val_loss),
+            "averaged": self.status.averaging,
+            "switched_to_asgd": outcome.switched,
+            "seconds": seconds,  # wall time of the epoch's steps, compiling included
+            "compile_seconds": compiling,
+            # the steps' own rate: a first epoch's compiles would understate it many times
+            "tokens_per_second": self.partial["tokens"] / max(seconds - compiling, 1e-9),
+            "valid_seconds": val_seconds,
+        }
 
     def _windows(self) -> Iterator[BpttWindow]:
         return self.data.train_windows(self.train_batched, self.epoch, self.seed)
