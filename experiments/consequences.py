@@ -65,6 +65,7 @@ from flax import nnx
 
 import bottleneck as bn
 from bottleneck.runs import UsageError, code_commit, markdown_table, parse_config, progress
+from bottleneck.runs import rows as store
 from bottleneck.runs.cli import Checked, Count, one_line_errors
 from bottleneck.runs.folder import results_page
 from bottleneck.runs.language_model import head_inputs, load_run, validation_windows
@@ -441,19 +442,10 @@ def earlier_rows(
     return rows
 
 
-def merged(rows: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, Any]]:
-    """``rows`` with ``row`` in place of the row of the same run folder, or appended."""
-    runs = [r["run"] for r in rows]
-    if row["run"] not in runs:
-        return [*rows, row]
-    i = runs.index(row["run"])
-    return [*rows[:i], row, *rows[i + 1 :]]
-
-
 def write_rows(rows: list[dict[str, Any]], out: Path, merge: bool) -> None:
     """``rows`` to ``out`` (JSON), its page (``.md``) and its plot (``.png``, removed where no
     head is paired with softmax: an earlier call's plot would not be these rows')."""
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    store.write_json(out, rows, indent=1)
     out.with_suffix(".md").write_text(results_page(PAGE_TITLE, page_body(rows, merge)))
     gaps = count_gaps(rows)
     if gaps:
@@ -477,7 +469,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rows = earlier_rows(out) if config.merge else []
         for path in config.merge_from:
             for row in earlier_rows(Path(path), "--merge_from", must_exist=True):
-                rows = merged(rows, row)
+                rows = store.upsert(rows, row, key=lambda r: r["run"])
         if config.merge_from:
             write_rows(rows, out, config.merge)
         for run_dir in progress(config.run_dirs, desc="runs"):
@@ -486,7 +478,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 row = filled(earlier, config, run_dir)
             else:
                 row = measure_run(run_dir, config.tokens, config.train_tokens)
-            rows = merged(rows, row)
+            rows = store.upsert(rows, row, key=lambda r: r["run"])
             # Both files after each run (minutes each): an interrupted call keeps the rows it
             # measured, and the table always shows the JSON's rows, no more.
             write_rows(rows, out, config.merge)

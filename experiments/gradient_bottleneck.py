@@ -41,8 +41,9 @@ import bottleneck as bn
 from bottleneck.data import batchify
 from bottleneck.nn.presets import HeadName
 from bottleneck.runs import language_model, markdown_table, open_run, parse_config, progress
+from bottleneck.runs import rows as store
 from bottleneck.runs.cli import Checked, Count, one_line_errors
-from bottleneck.runs.folder import to_jsonable
+from bottleneck.runs.folder import config_changes, to_jsonable
 from bottleneck.runs.language_model import head_inputs, validation_windows
 
 # The [M, d] Jacobians of 64 positions at a time.
@@ -174,11 +175,11 @@ def run(config: Config) -> list[dict[str, Any]]:
     for head in config.heads:
         path = heads_dir / f"{head}.json"
         saved = json.loads(path.read_text()) if path.exists() else None
-        if saved is not None and {**saved["config"], "heads": None} == recorded:
+        if saved is not None and not config_changes(saved["config"], config, ("out_dir", "heads")):
             curves.append(saved["curve"])
             continue
         curve = train_head(config, head)
-        path.write_text(json.dumps({"config": recorded, "curve": curve}, indent=1) + "\n")
+        store.write_json(path, {"config": recorded, "curve": curve}, indent=1)
         curves.append(curve)
     summary = [
         {"head": c["head"], "d": c["d"], "start": c["points"][0]["median"],

@@ -44,9 +44,8 @@ from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy,
 from bottleneck.nn.models import ContextEmbeddingModel
 from bottleneck.nn.presets import HeadName
 from bottleneck.runs import UsageError, markdown_table, open_run, parse_config, progress
-from bottleneck.runs.checkpoint import StopSignals
 from bottleneck.runs.cli import Checked, Count, Interval, Positive, one_line_errors
-from bottleneck.runs.folder import TrainingInterrupted, check_resumable
+from bottleneck.runs.folder import StopSignals, TrainingInterrupted, check_resumable
 from bottleneck.sharding import (
     mesh_from_flag,
     require_data_divides,

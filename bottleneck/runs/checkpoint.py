@@ -1,4 +1,4 @@
-"""Checkpoints with Orbax, and stopping cleanly on SIGINT / SIGTERM.
+"""Checkpoints with Orbax.
 
 :class:`CheckpointStore` keeps numbered checkpoints in one folder; each holds named pytrees of
 arrays and one JSON document (counters, histories, anything small). A pytree is stored by its
@@ -12,13 +12,6 @@ round-trips onto a mesh. A checkpoint that does not fit its template is refused 
 checkpoint holds without reading its arrays. A save that fails (a full disk) raises
 :class:`CheckpointWriteError`, deletes its partial folder and leaves the previous checkpoint as
 the latest.
-
-:class:`StopSignals` turns the first SIGINT/SIGTERM into a flag that a training loop polls
-between steps, so that it can save and exit with status ``128 + signal`` (the shell convention);
-a second signal interrupts at once.
-
-:class:`RunLock` gives one process at a time a run folder, so that two runs started with the
-same output folder cannot write into, or resume from, each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -28,10 +21,8 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
 import time
-import types
 import warnings
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
@@ -42,8 +33,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from bottleneck.runs.folder import RunFolderError
-
-logger = logging.getLogger(__name__)
 
 META_ITEM = "meta"
 
@@ -412,122 +401,3 @@ def checkpoint_contents(
         raise FileNotFoundError(f"no checkpoint folder {directory}")
     with CheckpointStore(directory) as store:
         return store.contents(step)
-
-
-class StopSignals:
-    """Context manager: the first SIGINT/SIGTERM sets :attr:`signum` instead of killing.
-
-    Inside the ``with`` block, poll :attr:`requested` between steps; on a request, save and
-    raise :class:`~bottleneck.runs.folder.TrainingInterrupted` ``(stop.exit_code)``. A second signal restores the previous handler and re-raises
-    the signal (SIGINT: ``KeyboardInterrupt``), so a stuck run can still be stopped. Handlers
-    can only be installed from the main thread; elsewhere this is a no-op.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def exit_code(self) -> int:
-        """``128 + signal number`` (130 for SIGINT, 143 for SIGTERM)."""
-        return 128 + (self.signum or 0)
-
-    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
-        if self.signum is not None:  # second signal: stop now
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-            signal.raise_signal(signum)
-            return
-        self.signum = signum
-        logger.warning(
-            "%s received: finishing the current step, saving a checkpoint, then exiting (send it "
-            "again to stop at once)",
-            signal.Signals(signum).name,
-        )
-
-    def __enter__(self) -> StopSignals:
-        try:
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        except ValueError:  # not the main thread
-            self._previous.clear()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-
-
-class RunFolderBusy(RunFolderError):
-    """Another live process holds the run folder (see :class:`RunLock`)."""
-
-
-class RunLock:
-    """Context manager: exclusive use of ``directory`` by this process (``directory/.lock``).
-
-    The lock file holds the owner's pid. A lock whose process is gone (killed with SIGKILL,
-    a crashed machine) is stale and taken over; one held by a live process raises
-    :class:`RunFolderBusy`. For processes on one machine (pids are local).
-    """
-
-    def __init__(self, directory: str | os.PathLike):
-        self.path = Path(directory) / ".lock"
-        self.held = False
-
-    def acquire(self) -> None:
-        """Takes the folder (a no-op when already held); :class:`RunFolderBusy` if in use."""
-        if self.held:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                owner = _lock_owner(self.path)
-                if owner is not None and _is_alive(owner):
-                    raise RunFolderBusy(
-                        f"{self.path.parent} is in use by process {owner}; wait for it, stop "
-                        f"it, or choose another folder (if {owner} is not a run, delete "
-                        f"{self.path})"
-                    ) from None
-                self.path.unlink(missing_ok=True)  # stale: its process is gone
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
-            self.held = True
-            return
-
-    def release(self) -> None:
-        if self.held and _lock_owner(self.path) == os.getpid():
-            self.path.unlink(missing_ok=True)
-        self.held = False
-
-    def __enter__(self) -> RunLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
-
-
-def _lock_owner(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True

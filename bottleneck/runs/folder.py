@@ -6,20 +6,28 @@ CSV, metric lines and Markdown results pages into it; :func:`check_resumable` co
 with the one recorded. A page (:func:`results_page`) opens with the command, the code's commit
 (:func:`code_commit`) and the machine (:func:`machine_description`) that made it.
 A config is recorded as JSON by :func:`to_jsonable` and read back by :func:`config_from_jsonable`.
+
+:class:`RunLock` gives one process at a time a run folder, so that two runs started with the
+same output folder cannot write into, or resume from, each other's checkpoints.
+:class:`StopSignals` turns the first SIGINT/SIGTERM into a flag that a training loop polls
+between steps, so that it can save and exit with status ``128 + signal`` (the shell convention);
+a second signal interrupts at once.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import datetime
 import inspect
 import json
+import logging
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
+import types
 import typing
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -27,6 +35,10 @@ from typing import Any, TypeVar
 
 import jax
 import numpy as np
+
+from bottleneck.runs import rows
+
+logger = logging.getLogger(__name__)
 
 ConfigT = TypeVar("ConfigT")
 
@@ -37,7 +49,7 @@ class UsageError(ValueError):
 
 class RunFolderError(UsageError):
     """An output folder that cannot be used: a file, unwritable, another experiment's run, a
-    checkpointed run with another config, or (:class:`~bottleneck.runs.checkpoint.RunFolderBusy`)
+    checkpointed run with another config, or (:class:`~bottleneck.runs.folder.RunFolderBusy`)
     a folder in use."""
 
 
@@ -46,7 +58,7 @@ class TrainingInterrupted(Exception):
 
     Attributes:
       exit_code: the status the scripts exit with, ``128 + signal`` (130 for SIGINT, 143 for
-        SIGTERM: the shell's convention; :attr:`~bottleneck.runs.checkpoint.StopSignals.exit_code`).
+        SIGTERM: the shell's convention; :attr:`~bottleneck.runs.folder.StopSignals.exit_code`).
     """
 
     def __init__(self, exit_code: int):
@@ -149,9 +161,7 @@ class RunDir:
 
     def write_json(self, name: str, obj: Any) -> Path:
         """Write ``obj`` (see :func:`to_jsonable`) as indented JSON to ``root / name``."""
-        path = self.path(name)
-        path.write_text(json.dumps(to_jsonable(obj), indent=2) + "\n")
-        return path
+        return rows.write_json(self.path(name), to_jsonable(obj))
 
     def write_page(self, name: str, title: str, body: str) -> Path:
         """Write a Markdown results page (:func:`results_page`) to ``root / name``.
@@ -167,16 +177,10 @@ class RunDir:
         )
         return path
 
-    def write_csv(self, name: str, rows: Sequence[Mapping[str, Any]]) -> Path:
-        """Write ``rows`` as CSV; the columns are the union of the rows' keys, in first-seen order."""
-        columns = list(dict.fromkeys(key for row in rows for key in row))
-        path = self.path(name)
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            for row in rows:
-                writer.writerow(to_jsonable(dict(row)))
-        return path
+    def write_csv(self, name: str, table: Sequence[Mapping[str, Any]]) -> Path:
+        """Write ``table``'s rows as CSV; the columns are the union of the rows' keys, in
+        first-seen order."""
+        return rows.write_csv(self.path(name), [to_jsonable(dict(row)) for row in table])
 
 
 def code_commit() -> str:
@@ -315,17 +319,27 @@ def check_resumable(root: str | Path, config: Any, may_change: Collection[str] =
     path = Path(root) / "config.json"
     if not path.is_file():
         return
-    saved = _dotted(json.loads(path.read_text()).get("config", {}))
-    changed = [
-        f"{name}: {saved.get(name)!r} -> {value!r}"
-        for name, value in _dotted(to_jsonable(config)).items()
-        if not _free(name, may_change) and saved.get(name) != value
-    ]
+    changed = config_changes(json.loads(path.read_text()).get("config", {}), config, may_change)
     if changed:
         raise RunFolderError(
             f"{root} holds a run made with a different config ({'; '.join(changed)}); "
             "rerun with the same flags to resume it, or choose another --out_dir"
         )
+
+
+def config_changes(
+    recorded: Mapping[str, Any], config: Any, may_change: Collection[str] = ()
+) -> list[str]:
+    """The fields in which ``config`` differs from ``recorded`` (a config as :func:`to_jsonable`
+    wrote it), ``"name: old -> new"`` each by its dotted name, but for the fields named in
+    ``may_change`` or inside a part named there: empty when both are the same run's. The one
+    test of "is this the same run" (:func:`check_resumable`, a script's cached results)."""
+    saved = _dotted(recorded)
+    return [
+        f"{name}: {saved.get(name)!r} -> {value!r}"
+        for name, value in _dotted(to_jsonable(config)).items()
+        if not _free(name, may_change) and saved.get(name) != value
+    ]
 
 
 def _free(name: str, may_change: Collection[str]) -> bool:
@@ -386,3 +400,125 @@ def open_run(out_dir: str | Path, config: Any, *, resume: bool = False) -> RunDi
         },
     )
     return run
+
+
+# -- one process at a time, stopping cleanly ----------------------------------------------------
+
+
+class StopSignals:
+    """Context manager: the first SIGINT/SIGTERM sets :attr:`signum` instead of killing.
+
+    Inside the ``with`` block, poll :attr:`requested` between steps; on a request, save and
+    raise :class:`~bottleneck.runs.folder.TrainingInterrupted` ``(stop.exit_code)``. A second signal restores the previous handler and re-raises
+    the signal (SIGINT: ``KeyboardInterrupt``), so a stuck run can still be stopped. Handlers
+    can only be installed from the main thread; elsewhere this is a no-op.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal number`` (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + (self.signum or 0)
+
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+        if self.signum is not None:  # second signal: stop now
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+        logger.warning(
+            "%s received: finishing the current step, saving a checkpoint, then exiting (send it "
+            "again to stop at once)",
+            signal.Signals(signum).name,
+        )
+
+    def __enter__(self) -> StopSignals:
+        try:
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        except ValueError:  # not the main thread
+            self._previous.clear()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+class RunFolderBusy(RunFolderError):
+    """Another live process holds the run folder (see :class:`RunLock`)."""
+
+
+class RunLock:
+    """Context manager: exclusive use of ``directory`` by this process (``directory/.lock``).
+
+    The lock file holds the owner's pid. A lock whose process is gone (killed with SIGKILL,
+    a crashed machine) is stale and taken over; one held by a live process raises
+    :class:`RunFolderBusy`. For processes on one machine (pids are local).
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / ".lock"
+        self.held = False
+
+    def acquire(self) -> None:
+        """Takes the folder (a no-op when already held); :class:`RunFolderBusy` if in use."""
+        if self.held:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                owner = _lock_owner(self.path)
+                if owner is not None and _is_alive(owner):
+                    raise RunFolderBusy(
+                        f"{self.path.parent} is in use by process {owner}; wait for it, stop "
+                        f"it, or choose another folder (if {owner} is not a run, delete "
+                        f"{self.path})"
+                    ) from None
+                self.path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            self.held = True
+            return
+
+    def release(self) -> None:
+        if self.held and _lock_owner(self.path) == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _lock_owner(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

@@ -11,11 +11,9 @@ study runs, records and reports them (the script). Each finished cell is a row
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +23,7 @@ import numpy as np
 from bottleneck.data import FIXTURES_DIR
 from bottleneck.nn.presets import HeadName
 from bottleneck.runs import language_model
+from bottleneck.runs import rows as store
 from bottleneck.runs.cli import Checked, Count
 from bottleneck.runs.folder import accelerator, code_commit, to_jsonable
 from bottleneck.runs.language_model import AWDLSTMConfig, TransformerConfig
@@ -331,40 +330,32 @@ def main_dropout(model: AWDLSTMConfig | TransformerConfig) -> float:
 
 def read_results_csv(path: Path) -> dict[tuple[str, int, int, str], dict[str, Any]]:
     """Rows of a results CSV by (head, d, seed, config_sha), values typed as :func:`cell_row`."""
-    if not path.is_file():
-        return {}
     rows = {}
-    with path.open(newline="") as f:
-        for raw in csv.DictReader(f):
-            row: dict[str, Any] = dict(raw)
-            for name in ("d", "seed", "epochs", "best_epoch", "params"):
-                row[name] = int(row[name])
-            for name in ("valid_ppl", "test_ppl", "seconds_per_epoch", "train_seconds"):
-                row[name] = float(row[name])
-            row["vocab_size"] = int(row["vocab_size"]) if row["vocab_size"] else None
-            row["converged"] = row["converged"] == "True"
-            row["status"] = "done"
-            row.setdefault("device", "")  # a CSV of before the column: one unknown device
-            for name in ("lr", "dropout"):  # before these columns: None (the CSV's recipe)
-                row[name] = float(row[name]) if row.get(name) else None
-            rows[(row["head"], row["d"], row["seed"], row["config_sha"])] = row
+    for raw in store.read_csv(path):
+        row: dict[str, Any] = dict(raw)
+        for name in ("d", "seed", "epochs", "best_epoch", "params"):
+            row[name] = int(row[name])
+        for name in ("valid_ppl", "test_ppl", "seconds_per_epoch", "train_seconds"):
+            row[name] = float(row[name])
+        row["vocab_size"] = int(row["vocab_size"]) if row["vocab_size"] else None
+        row["converged"] = row["converged"] == "True"
+        row["status"] = "done"
+        row.setdefault("device", "")  # a CSV of before the column: one unknown device
+        for name in ("lr", "dropout"):  # before these columns: None (the CSV's recipe)
+            row[name] = float(row[name]) if row.get(name) else None
+        rows[(row["head"], row["d"], row["seed"], row["config_sha"])] = row
     return rows
+
+
+def _cell_key(row: dict[str, Any]) -> tuple[str, int, int]:
+    return row["head"], row["d"], row["seed"]
 
 
 def merge_results_csv(path: Path, row: dict[str, Any]) -> None:
     """Writes ``row`` into the CSV at ``path``, replacing the row of the same cell (atomically)."""
-    rows = read_results_csv(path)
-    key = (row["head"], row["d"], row["seed"])
-    kept = [r for k, r in rows.items() if k[:3] != key] + [row]
+    kept = store.upsert(list(read_results_csv(path).values()), row, key=_cell_key)
     kept.sort(key=lambda r: (r["vocab_size"] or 0, r["d"], r["head"], r["seed"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for r in kept:
-            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in RESULT_COLUMNS})
-    os.replace(tmp, path)
+    store.write_csv(path, kept, RESULT_COLUMNS)
 
 
 def curve_from_row(row: dict[str, Any]) -> list[dict[str, Any]]:

@@ -70,10 +70,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bottleneck.data import BpttWindow, TokenizedCorpus, Vocabulary, batchify
-from bottleneck.runs.checkpoint import CheckpointStore, RunLock, StopSignals
+from bottleneck.runs.checkpoint import CheckpointStore
 from bottleneck.runs.cli import progress
 from bottleneck.runs.folder import (
     RunDir,
+    RunLock,
+    StopSignals,
     TrainingInterrupted,
     UsageError,
     check_resumable,
@@ -143,7 +145,7 @@ def open_session(
 
     In this order, so that a refused folder is left as it was: the folder must be this
     experiment's (:func:`~bottleneck.runs.folder.check_run_folder`), no other process may
-    hold it (:class:`~bottleneck.runs.checkpoint.RunLock`), and a checkpointed run in it must
+    hold it (:class:`~bottleneck.runs.folder.RunLock`), and a checkpointed run in it must
     have the same config but for the fields in ``may_change``
     (:func:`~bottleneck.runs.folder.check_resumable`); then ``config.json`` is written
     (``metrics.jsonl`` is kept when resuming). Each refusal is a

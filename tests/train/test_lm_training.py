@@ -15,7 +15,8 @@ from flax import nnx
 
 from bottleneck.data import BpttWindow
 from bottleneck.nn.awd_lstm import AWDLSTM, AWDLSTMLanguageModel
-from bottleneck.runs.checkpoint import CheckpointStore, RunFolderBusy, RunLock, StopSignals
+from bottleneck.runs.checkpoint import CheckpointStore
+from bottleneck.runs.folder import RunFolderBusy, RunLock, StopSignals
 from bottleneck.train import Trainer
 from bottleneck.train.lm import LogProbBlockWriter, pad_window, padded_length
 from bottleneck.train.nt_asgd import (

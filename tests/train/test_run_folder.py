@@ -18,6 +18,7 @@ from test_experiment import Config, Large, Nested, Optimizer, Small
 from bottleneck.runs import RunDir, RunFolderError, code_commit, open_run
 from bottleneck.runs.folder import (
     check_resumable,
+    config_changes,
     config_from_jsonable,
     cpu_model,
     to_jsonable,
@@ -55,6 +56,16 @@ def test_check_resumable_compares_dotted_fields_but_those_that_may_change(tmp_pa
     with pytest.raises(RunFolderError, match=r"model: 'small' -> 'large'; large.depth: None -> 12"):
         check_resumable(tmp_path, Nested(model=Large()))
     check_resumable(tmp_path / "new", Nested(seed=5))  # no recorded run: nothing to compare
+
+
+def test_config_changes_names_each_changed_field_of_a_record():
+    recorded = to_jsonable(Nested())
+    assert config_changes(recorded, Nested()) == []
+    assert config_changes(recorded, Nested(optimizer=Optimizer(lr=0.2), seed=4)) == [
+        "optimizer.lr: 0.1 -> 0.2",
+        "seed: 0 -> 4",
+    ]
+    assert config_changes(recorded, Nested(seed=4), may_change=("seed",)) == []
 
 
 def test_a_folder_of_another_experiment_is_refused(tmp_path):
