@@ -79,8 +79,8 @@ def _usage_error(capsys, config_cls, presets, argv) -> str:
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1, lines  # one line, not tyro's box
-    assert lines[0].startswith("test_experiment.py: error: ")
-    return lines[0].removeprefix("test_experiment.py: error: ")
+    assert lines[0].startswith("test_cli.py: error: ")
+    return lines[0].removeprefix("test_cli.py: error: ")
 
 
 @pytest.mark.parametrize(
@@ -282,7 +282,7 @@ def test_a_folder_of_another_experiment_or_a_file_is_refused_when_parsed(tmp_pat
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"experiment": "language_model"}))
     message = _usage_error(capsys, Config, PRESETS, ["--out_dir", str(other)])
-    assert "holds a run of language_model, not of test_experiment" in message
+    assert "holds a run of language_model, not of test_cli" in message
     path = tmp_path / "file"
     path.write_text("x")
     for out_dir, expected in ((path, "exists and is not a folder"), (path / "x", "cannot be")):
@@ -297,7 +297,7 @@ def test_one_line_errors_end_the_script_with_the_status_given(capsys):
     with pytest.raises(SystemExit) as exit_info, one_line_errors(Config()):
         raise UsageError("no such corpus\n  (looked in x)")
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == "test_experiment.py: error: no such corpus (looked in x)\n"
+    assert capsys.readouterr().err == "test_cli.py: error: no such corpus (looked in x)\n"
     with pytest.raises(SystemExit) as exit_info, one_line_errors(Config, {Diverged: 1}):
         raise Diverged("the loss became nan")
     assert exit_info.value.code == 1
@@ -314,7 +314,7 @@ def test_an_interrupted_run_ends_quietly_with_its_signals_status(capsys):
     with pytest.raises(SystemExit) as exit_info, one_line_errors(Config()):
         raise KeyboardInterrupt
     assert exit_info.value.code == 130
-    assert capsys.readouterr().err == "test_experiment.py: interrupted\n"
+    assert capsys.readouterr().err == "test_cli.py: interrupted\n"
 
 
 def test_show_logs_puts_the_librarys_lines_on_stderr_once(capsys):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_experiment import Config, Large, Nested, Optimizer, Small
+from test_cli import Config, Large, Nested, Optimizer, Small
 
 from bottleneck.runs import RunDir, RunFolderError, code_commit, open_run
 from bottleneck.runs.folder import (
@@ -71,14 +71,14 @@ def test_config_changes_names_each_changed_field_of_a_record():
 def test_a_folder_of_another_experiment_is_refused(tmp_path):
     run = open_run(tmp_path / "mine", Config())
     record = json.loads((run.root / "config.json").read_text())
-    assert record["experiment"] == "test_experiment"  # the file that defines Config
+    assert record["experiment"] == "test_cli"  # the file that defines Config
     open_run(tmp_path / "mine", Config(width=3))  # the same experiment may reuse it
 
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"experiment": "language_model"}))
     (other / "results.json").write_text("{}")
-    with pytest.raises(RunFolderError, match="holds a run of language_model, not of test_exp"):
+    with pytest.raises(RunFolderError, match="holds a run of language_model, not of test_cli"):
         open_run(other, Config())
     assert json.loads((other / "config.json").read_text()) == {"experiment": "language_model"}
 
