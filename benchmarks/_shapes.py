@@ -36,6 +36,16 @@ def random_window(vocab: int, batch: int, steps: int) -> Window:
     return Window(inputs=tokens[:, :-1], targets=tokens[:, 1:], length=np.int32(steps))
 
 
+# The heads the head-cost benchmarks compare, as the study runs them: name -> (preset, options).
+HEADS = {
+    "softmax": ("softmax", {}),
+    "sigsoftmax": ("sigsoftmax", {}),
+    "plif": ("plif", {"num_knots": 10_000, "plif_noise": 1.0}),
+    "mos": ("mos", {"num_components": 4, "latent": "linear"}),
+    "mixtape": ("mixtape", {"num_components": 4}),
+    "mixtape_shared": ("mixtape", {"num_components": 4}),  # + token_counts, shared_gate_below
+}
+
 PTB = Shape("ptb", batch=20, steps=70, dim=400, vocab=10_000)
 WT2 = Shape("wt2", batch=80, steps=70, dim=400, vocab=33_278)
 

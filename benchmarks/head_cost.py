@@ -37,21 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shapes import token_counts
+from _shapes import HEADS, token_counts
 from _timing import machine_info, median_ratio, write_results
 
 SHAPES = {  # name: (tokens, d, vocabulary)
     "study32": (2048, 32, 10_000),
     "study128": (2048, 128, 10_000),
     "merity400": (1400, 400, 10_000),
-}
-HEADS = {  # name: (preset, options)
-    "softmax": ("softmax", {}),
-    "sigsoftmax": ("sigsoftmax", {}),
-    "plif": ("plif", {"num_knots": 10_000, "plif_noise": 1.0}),
-    "mos": ("mos", {"num_components": 4, "latent": "linear"}),
-    "mixtape": ("mixtape", {"num_components": 4}),
-    "mixtape_shared": ("mixtape", {"num_components": 4}),  # + token_counts, shared_gate_below
 }
 # Targets of the head-cost issue at the study's batch (ratios of medians in one run).
 LOSS_TARGETS = {"vs_baseline": 0.85, "mixtape_shared_vs_softmax": 2.0, "mixtape_shared_vs_mos": 0.6}
