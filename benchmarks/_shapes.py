@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
+from bottleneck import nn
 from bottleneck.train.lm import Window
 
 
@@ -45,6 +49,28 @@ HEADS = {
     "mixtape": ("mixtape", {"num_components": 4}),
     "mixtape_shared": ("mixtape", {"num_components": 4}),  # + token_counts, shared_gate_below
 }
+
+
+def cost_head(
+    name: str, d: int, vocab: int, counts: np.ndarray, shared_gate_below: float, **extra: Any
+) -> nnx.Module:
+    """The head ``HEADS[name]`` (seed 0); Mixtape shared takes its gates from ``counts``."""
+    preset, options = HEADS[name]
+    if name == "mixtape_shared":
+        options = {**options, "token_counts": counts, "shared_gate_below": shared_gate_below}
+    return nn.make_head(preset, d, vocab, rngs=nnx.Rngs(0), **options, **extra)
+
+
+def loss_and_gradients(head: nnx.Module) -> tuple[Any, Any]:
+    """``head.loss(h, labels)``'s value and gradients (for every parameter of the head and for
+    ``h``) as one jitted function of ``(state, h, labels)``, and the head's state."""
+    graphdef, state = nnx.split(head)
+
+    def loss(state: Any, h: jax.Array, labels: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, state).loss(h, labels)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), state
+
 
 PTB = Shape("ptb", batch=20, steps=70, dim=400, vocab=10_000)
 WT2 = Shape("wt2", batch=80, steps=70, dim=400, vocab=33_278)

@@ -8,7 +8,6 @@ the median of per-repetition ratios, which is robust to a noisy repetition that 
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -19,7 +18,7 @@ from typing import Any
 
 import jax
 
-from bottleneck.runs import code_commit, results_page
+from bottleneck.runs import code_commit, results_page, rows
 
 
 def time_interleaved(
@@ -108,9 +107,8 @@ def write_results(path: str | Path, payload: Mapping[str, Any], markdown: str) -
     title the first line of ``markdown`` when that is a ``# `` heading, else the file's name.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     commit = code_commit()
-    path.write_text(json.dumps({**payload, "commit": commit}, indent=2) + "\n")
+    rows.write_json(path, {**payload, "commit": commit})
     first, _, rest = markdown.partition("\n")
     title, body = (
         (first[2:], rest)

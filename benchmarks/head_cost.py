@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shapes import HEADS, token_counts
+from _shapes import HEADS, cost_head, loss_and_gradients, token_counts
 from _timing import machine_info, median_ratio, write_results
 
 SHAPES = {  # name: (tokens, d, vocabulary)
@@ -57,9 +57,6 @@ MEMORY_TARGET = 0.25
 def worker(counts_path: str, threshold: float) -> None:
     """Reads case names on stdin, answers each with one timing (ms) as a JSON line."""
     import jax
-    from flax import nnx
-
-    from bottleneck import nn
 
     counts = np.load(counts_path)
     compiled: dict[str, Any] = {}
@@ -67,16 +64,7 @@ def worker(counts_path: str, threshold: float) -> None:
     def build(case: str) -> Any:
         head_name, shape_name = case.split("@")
         tokens, d, vocab = SHAPES[shape_name]
-        preset, options = HEADS[head_name]
-        if head_name == "mixtape_shared":
-            options = {**options, "token_counts": counts, "shared_gate_below": threshold}
-        head = nn.make_head(preset, d, vocab, rngs=nnx.Rngs(0), **options)
-        graphdef, state = nnx.split(head)
-
-        def loss(state, h, labels):
-            return nnx.merge(graphdef, state).loss(h, labels)
-
-        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        fn, state = loss_and_gradients(cost_head(head_name, d, vocab, counts, threshold))
         h = jax.random.normal(jax.random.key(0), (tokens, d))
         labels = jax.random.randint(jax.random.key(1), (tokens,), 0, vocab)
         temp = fn.lower(state, h, labels).compile().memory_analysis()

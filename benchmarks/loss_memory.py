@@ -26,12 +26,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _shapes import HEADS, token_counts
+from _shapes import HEADS, cost_head, loss_and_gradients, token_counts
 from _timing import machine_info, markdown_table, write_results
 from flax import nnx
 from tqdm import tqdm
-
-from bottleneck import nn
 
 VOCAB = 10_000
 DIMS = (32, 400)
@@ -41,39 +39,26 @@ SHARED_GATE_BELOW = 100
 QUARTER = 0.25  # the head-cost issue's target, as a fraction of the full float32 logits
 
 
-def temporary_bytes(head: nnx.Module, tokens: int, dim: int) -> tuple[int, int]:
-    """The compiled loss-and-gradients pass's temporary bytes, and the head's parameter bytes."""
-    graphdef, state = nnx.split(head)
-
-    def loss(state, h, labels):
-        return nnx.merge(graphdef, state).loss(h, labels)
-
-    compiled = (
-        jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-        .lower(
-            state,
-            jax.ShapeDtypeStruct((tokens, dim), np.float32),
-            jax.ShapeDtypeStruct((tokens,), np.int32),
-        )
-        .compile()
-    )
-    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(head, nnx.Param)))
-    return int(compiled.memory_analysis().temp_size_in_bytes), int(params)
+def temporary_bytes(head: nnx.Module, tokens: int, dim: int) -> int:
+    """The compiled loss-and-gradients pass's temporary bytes at ``tokens`` hidden states."""
+    fn, state = loss_and_gradients(head)
+    compiled = fn.lower(
+        state,
+        jax.ShapeDtypeStruct((tokens, dim), np.float32),
+        jax.ShapeDtypeStruct((tokens,), np.int32),
+    ).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def measure(counts: np.ndarray) -> list[dict]:
     rows = []
     cases = [(h, d, b) for h in HEADS for d in DIMS for b in BUDGETS_MIB]
     for head_name, dim, budget in tqdm(cases, desc="heads", unit="case"):
-        preset, options = HEADS[head_name]
-        if head_name == "mixtape_shared":
-            options = {**options, "token_counts": counts, "shared_gate_below": SHARED_GATE_BELOW}
-        head = nn.make_head(
-            preset, dim, VOCAB, rngs=nnx.Rngs(0), memory_budget=budget * 2**20, **options
+        head = cost_head(
+            head_name, dim, VOCAB, counts, SHARED_GATE_BELOW, memory_budget=budget * 2**20
         )
-        temps = {}
-        for tokens in TOKENS:
-            temps[tokens], params = temporary_bytes(head, tokens, dim)
+        params = sum(x.nbytes for x in jax.tree.leaves(nnx.state(head, nnx.Param)))
+        temps = {tokens: temporary_bytes(head, tokens, dim) for tokens in TOKENS}
         budget_bytes = budget * 2**20
         for tokens in TOKENS:
             rows.append({
