@@ -2,7 +2,7 @@
 --model transformer``.
 
 The same step as ``bottleneck.train.Trainer.window_step`` on ``experiments/language_model.py
---preset transformer-cpu`` with the softmax head, written the way a PyTorch user would: a tied
+transformer-cpu`` with the softmax head, written the way a PyTorch user would: a tied
 embedding, dropout on the embeddings and on each block's attention and MLP outputs, pre-norm
 blocks (RMSNorm, ``eps = 1e-5``; biased q/k/v, output and MLP projections; RoPE on queries and
 keys, half-split as in ``bottleneck.nn.transformer.rotary_embedding``; causal

@@ -26,7 +26,7 @@ Targets (Ganea et al.'s slides: PLIF +17% per epoch, MoS 2.5x; Yang et al. 2019:
 1.2-1.34x): PLIF <= 1.10x, MoS <= 2.5x, Mixtape with sharing <= 1.2x.
 
 ``--model transformer`` times another comparison instead: the softmax step of
-``language_model.py --preset transformer-cpu`` (vocabulary 2,000, width 128, 4 layers, RoPE,
+``language_model.py transformer-cpu`` (vocabulary 2,000, width 128, 4 layers, RoPE,
 RMSNorm, AdamW, batch 32 x 64) against the same step in PyTorch
 (``benchmarks/_torch_transformer.py``) at each ``--torch-threads``, written to
 ``benchmarks/results/transformer_step.json`` by default. Stop other jobs first: a PyTorch run
@@ -430,7 +430,7 @@ def _model_label(name: str) -> str:
 
 def transformer_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """``--model transformer``: the transformer-cpu preset's softmax step (``language_model.py
-    --preset transformer-cpu``: vocabulary 2,000, width 128, 4 layers, RoPE, RMSNorm, AdamW,
+    transformer-cpu``: vocabulary 2,000, width 128, 4 layers, RoPE, RMSNorm, AdamW,
     batch 32 x 64) against the same step in PyTorch at each ``--torch-threads``."""
     from bottleneck.runs import language_model
 

@@ -8,7 +8,7 @@ of ``g = p - e_y`` (:func:`bottleneck.head_gradient_ratio`; for softmax ``J = W`
 pointwise map ``J = diag(...) W``, for a mixture ``J`` is the Jacobian of its log-probabilities).
 Every head's ``J`` has rank at most ``d``: no head widens that column space, but each chooses
 which ``d`` directions it is. For each head this trains the converged study's Transformer
-(``language_model.py --preset transformer-study``, the head at width ``--d``; all of the
+(``language_model.py transformer-study``, the head at width ``--d``; all of the
 corpus's words) from the same seed for ``--steps`` steps and, every ``--every`` steps, measures
 the ratio at the first ``--positions`` validation positions (whole windows), with the training
 loss of the steps since the last measurement.

@@ -15,7 +15,7 @@ the constant-gate layer with K experts has the same expert kernels as the gated 
 Writes to --out_dir: config.json, results.json (spectra and near-zero counts), results.csv (one
 row per layer), singular_values.png (the note's figures), metrics.jsonl (per-layer timing).
 
-    python experiments/jacobian.py --preset smoke --out_dir /tmp/jacobian
+    python experiments/jacobian.py smoke --out_dir /tmp/jacobian
 """
 
 from __future__ import annotations

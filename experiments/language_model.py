@@ -10,14 +10,14 @@ its presets (``transformer-smoke``, ``transformer-cpu``, ``transformer-gpu``). E
 takes any head (``--head``) of bottleneck.nn.HEAD_NAMES: softmax, sigsoftmax, the sigmoid /
 ReLU normalizers, PLIF, the monotone MLP, MoS (Yang et al. 2018), MoSS, MoS + PLIF.
 
-    python experiments/language_model.py --preset smoke --out_dir /tmp/lm       # seconds
-    python experiments/language_model.py --preset transformer-cpu --head mos \\
+    python experiments/language_model.py smoke --out_dir /tmp/lm       # seconds
+    python experiments/language_model.py transformer-cpu --head mos \\
         --data_dir PTB_DIR
-    python experiments/language_model.py --preset cpu-small --data_dir PTB_DIR
-    python experiments/language_model.py --preset paper-ptb --head sigsoftmax --out_dir runs/ptb
-    python experiments/language_model.py --preset paper-ptb --head sigsoftmax \\
+    python experiments/language_model.py cpu-small --data_dir PTB_DIR
+    python experiments/language_model.py paper-ptb --head sigsoftmax --out_dir runs/ptb
+    python experiments/language_model.py paper-ptb --head sigsoftmax \\
         --finetune_from runs/ptb --out_dir runs/ptb-finetune                      # Merity's finetune
-    python experiments/language_model.py --preset mos-ptb --lr 25 --finetune_from runs/mos \\
+    python experiments/language_model.py mos-ptb --lr 25 --finetune_from runs/mos \\
         --out_dir runs/mos-finetune --dynamic_eval                                 # Yang's recipe
 
 The config, presets and run are :mod:`bottleneck.runs.language_model`'s. Flags come in groups, one per part of :class:`Config`

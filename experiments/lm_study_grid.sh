@@ -46,6 +46,7 @@ if [ -n "${CONSEQUENCES:-}" ]; then
 END
 fi
 cd "$code"
-# The pinned worktree's library, not the checkout's editable install.
-PYTHONPATH="$code" exec "$python" experiments/lm_study.py --out_dir "$work/runs" \
-    --results_csv "$csv" --after_cell "bash \"$hook\"" "$@"
+# The pinned worktree's library, not the checkout's editable install; the caller's arguments
+# first, where a preset's name must stand.
+PYTHONPATH="$code" exec "$python" experiments/lm_study.py "$@" --out_dir "$work/runs" \
+    --results_csv "$csv" --after_cell "bash \"$hook\""

@@ -36,7 +36,7 @@ float32 threshold (~1e-5 sigma_max at these sizes), so the rank is unaffected. I
 max_tokens subsamples rows likewise; a subsample's rank is a lower bound on the full one, and the
 output says so.
 
-    python experiments/rank.py --preset smoke --out_dir /tmp/rank       # seconds
+    python experiments/rank.py smoke --out_dir /tmp/rank       # seconds
     python experiments/rank.py --mode random                            # ~1 minute on 2 CPU cores
     python experiments/rank.py --mode model --log_probs test_log_probs.npy --hidden_size 400
 

@@ -9,8 +9,8 @@ the numerical / effective rank of the learned log-probability matrix; then their
 over the seeds (``--seeds``, three by default: each seed draws its own P* and initialisation).
 
     python experiments/synthetic.py                  # default grid: ~4 minutes on 2 CPU cores
-    python experiments/synthetic.py --preset smoke   # seconds
-    python experiments/synthetic.py --preset paper   # larger grid, hours
+    python experiments/synthetic.py smoke   # seconds
+    python experiments/synthetic.py paper   # larger grid, hours
 
 Resumable: rerunning the command in the same --out_dir keeps the runs it finished and trains the
 others (the grid's flags --heads, --dims, --alphas, --seeds may change; every other setting must

@@ -73,7 +73,7 @@ def test_every_case_was_run(sharding_results):
 LM_SCRIPT = TESTS.parent / "experiments" / "language_model.py"
 # A mixture head with latent dropout (every piece of the LM that a mesh touches); vocab=8 pads
 # the 12-word fixture vocabulary to 16 rows, data=2,vocab=4 splits the batch of 2 as well.
-LM_ARGS = ("--preset", "smoke", "--head", "mos", "--dropoutl", "0.3")
+LM_ARGS = ("smoke", "--head", "mos", "--dropoutl", "0.3")
 LM_MESHES = ("vocab=8", "data=2,vocab=4")
 
 

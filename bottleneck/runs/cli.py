@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
-import functools
 import inspect
 import logging
 import math
@@ -51,7 +49,6 @@ import numpy as np
 import tyro
 from tabulate import tabulate
 from tqdm.auto import tqdm
-from tyro import _errors as tyro_errors  # the parse-error hook: one line instead of a box
 from tyro.constructors import ConstructorRegistry, StructConstructorSpec
 
 from bottleneck.runs.folder import TrainingInterrupted, UsageError, check_run_folder
@@ -206,7 +203,7 @@ def parse_config(
     presets: Mapping[str, ConfigT] | None = None,
     argv: Sequence[str] | None = None,
 ) -> ConfigT:
-    """The config from a named preset plus flags: ``--preset NAME --optimizer.lr 0.1``.
+    """The config from a named preset plus flags: ``smoke --optimizer.lr 0.1``.
 
     The command line is `tyro <https://brentyi.github.io/tyro/>`_'s for ``config_cls``, with
     field names as they are spelled (``--out_dir``): a field holding a dataclass is a group of
@@ -214,19 +211,20 @@ def parse_config(
     named by each class's ``family``), a tuple takes its items space-separated, ``None`` is
     spelled ``None``, a bool is ``--flag`` / ``--no_flag``. A nested field whose name no other
     field has also answers to that name (``--lr``). The help of a field is its comment or
-    docstring. Flags override the preset, the preset overrides the dataclass defaults.
+    docstring.
 
-    ``presets`` are config instances by name; ``"default"`` (the dataclass defaults unless
-    ``presets`` defines it) is used when ``--preset`` is not given. A named preset that keeps
-    the default ``out_dir`` writes to ``<out_dir>_<name>`` instead, so that ``--preset smoke``
-    never replaces the default run's results. ``--help`` begins with what each preset sets, as
-    flags. Without presets there is no ``--preset`` and a field without a default is required.
+    ``presets`` are config instances by name, each a subcommand that comes first on the line
+    (tyro's ``subcommand_type_from_defaults``, as ``tyro.extras.overridable_config_cli`` builds
+    it); the flags override the preset. ``"default"`` (the dataclass defaults unless ``presets``
+    defines it) is used when none is named. A named preset that keeps the default ``out_dir``
+    writes to ``<out_dir>_<name>`` instead, so that ``smoke`` never replaces the default run's
+    results; ``--help`` lists each preset with the flags that turn the defaults into it.
 
-    A malformed or unknown flag, a value the config refuses (its checks run as it is built:
-    :class:`Checked`), and an ``out_dir`` this experiment may not use
-    (:func:`~bottleneck.runs.folder.check_run_folder`) are usage errors: one line,
-    ``NAME.py: error: ...``, on stderr and exit status 2. The library's log lines are shown on
-    stderr from here on (:func:`show_logs`).
+    A malformed or unknown flag and a value the config refuses (its checks run as it is built:
+    :class:`Checked`) end the script with tyro's message and status 2; an ``out_dir`` this
+    experiment may not use (:func:`~bottleneck.runs.folder.check_run_folder`) with one line,
+    ``NAME.py: error: ...``, and status 2. The library's log lines are shown on stderr from here
+    on (:func:`show_logs`).
 
     Example:
       >>> @dataclasses.dataclass(frozen=True)
@@ -235,24 +233,25 @@ def parse_config(
       ...     experts: tuple[int, ...] = (2, 4)
       ...     plot: bool = True
       >>> presets = {"big": Config(width=64)}
-      >>> parse_config(Config, presets, ["--preset", "big", "--experts", "3", "5", "--no_plot"])
+      >>> parse_config(Config, presets, ["big", "--experts", "3", "5", "--no_plot"])
       Config(width=64, experts=(3, 5), plot=False)
     """
     show_logs()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    cli_type: Any = config_cls
+    default: Any = tyro.MISSING_NONPROP
+    if presets:
+        presets = _with_default_out_dirs(config_cls, presets)
+        default = presets[DEFAULT_PRESET]
+        cli_type = tyro.extras.subcommand_type_from_defaults(
+            presets, descriptions=_preset_descriptions(config_cls, presets)
+        )
     with one_line_errors(config_cls):
-        description = inspect.getdoc(config_cls) or ""
-        default: Any = tyro.MISSING_NONPROP
-        if presets:
-            presets = _with_default_out_dirs(config_cls, presets)
-            default = presets[_pop_preset(argv, presets)]
-            description += "\n\n" + _presets_help(config_cls, presets)
         config = tyro.cli(
-            config_cls,
+            cli_type,
             prog=_program(config_cls),
             args=argv,
             default=default,
-            description=description,
+            description=inspect.getdoc(config_cls) or "",
             use_underscores=True,
             config=(tyro.conf.CascadeSubcommandArgs,),  # a group's flags anywhere on the line
             registry=_short_flags(config_cls),
@@ -275,10 +274,8 @@ def one_line_errors(
     Ctrl-C anywhere else ends it with ``NAME.py: interrupted`` and status 130, no traceback.
     """
     statuses = {UsageError: 2, **(statuses or {})}
-    config_cls = program if isinstance(program, type) else type(program)
     try:
-        with tyro_errors.on_parse_error(functools.partial(_raise_usage_error, config_cls)):
-            yield
+        yield
     except tuple(statuses) as err:
         message = " ".join(str(err).split())
         print(f"{_program(program)}: error: {message}", file=sys.stderr)
@@ -298,48 +295,6 @@ def _program(program: Any) -> str:
     return Path(inspect.getfile(program if isinstance(program, type) else type(program))).name
 
 
-def _raise_usage_error(config_cls: type, event: tyro_errors.ParseErrorEvent) -> None:
-    """tyro's parse errors (boxes of several lines) as a :class:`UsageError` of one line; an
-    unknown flag names the flags of ``config_cls`` it may have meant."""
-    if isinstance(event, tyro_errors.UnrecognizedArgs):
-        flags = [t for t in event.tokens if t.startswith("--")]
-        hints = sorted({m for flag in flags for m in _meant(config_cls, flag)})
-        hint = f" (did you mean {' or '.join(hints)}?)" if hints else ""
-        raise UsageError(f"unrecognized arguments: {' '.join(event.tokens)}{hint}")
-    if isinstance(event, tyro_errors.InvalidChoice):
-        raise UsageError(
-            f"argument {event.argument.display_name()}: invalid choice {event.value!r} "
-            f"(choose from {', '.join(event.choices)})"
-        )
-    if isinstance(event, tyro_errors.InstantiationFailure):
-        argument = "" if event.argument is None else f"argument {event.argument.display_name()}: "
-        raise UsageError(argument + event.message)
-    if isinstance(event, tyro_errors.MissingArgs):
-        names = ", ".join(arg.arg.display_name() for arg in event.missing_arguments)
-        raise UsageError(f"the following arguments are required: {names}")
-    title, _ = tyro_errors._render(event)
-    raise UsageError(f"{title.rstrip('.').lower()}; see --help")
-
-
-# Names a user may try for a field that this project spells otherwise, in both directions.
-_SYNONYMS = {"learning_rate": "lr", "lr": "learning_rate"}
-
-
-def _meant(config_cls: type, flag: str) -> list[str]:
-    """The flags of ``config_cls`` close to ``flag`` (a typo, a synonym, a missing group)."""
-    if not dataclasses.is_dataclass(config_cls):
-        return []
-    leaves = {path: path.rsplit(".", 1)[-1] for path in _field_paths(config_cls)}
-    counts = Counter(leaves.values())
-    # A nested field answers to its own name where it is unique (_short_flags).
-    names = {path: leaf if counts[leaf] == 1 else path for path, leaf in leaves.items()}
-    wanted = flag[2:].partition("=")[0].replace("-", "_")
-    last = wanted.rsplit(".", 1)[-1]
-    close = set(difflib.get_close_matches(wanted, names.values(), n=3, cutoff=0.75))
-    close |= {names[path] for path, leaf in leaves.items() if leaf in (last, _SYNONYMS.get(last))}
-    return [f"--{n}" for n in close if n != wanted]
-
-
 def _field_paths(config_cls: type, prefix: str = "") -> Iterator[str]:
     """The dotted names of the fields that are not parts (``optimizer.lr``)."""
     hints = typing.get_type_hints(config_cls)
@@ -349,26 +304,6 @@ def _field_paths(config_cls: type, prefix: str = "") -> Iterator[str]:
             yield prefix + field.name
         for part in parts:
             yield from _field_paths(part, f"{prefix}{field.name}.")
-
-
-def _pop_preset(argv: list[str], presets: Mapping[str, Any]) -> str:
-    """The preset ``argv`` names (``--preset NAME`` or ``--preset=NAME``; the last one given),
-    removed from it."""
-    name, i = DEFAULT_PRESET, 0
-    while i < len(argv):
-        if argv[i] != "--preset" and not argv[i].startswith("--preset="):
-            i += 1
-            continue
-        given = 1 if "=" in argv[i] else 2
-        if given == 2 and i + 1 == len(argv):
-            raise UsageError("argument --preset: expected a preset's name")
-        name = argv[i].partition("=")[2] if given == 1 else argv[i + 1]
-        if name not in presets:
-            raise UsageError(
-                f"argument --preset: invalid choice {name!r} (choose from {', '.join(presets)})"
-            )
-        del argv[i : i + given]
-    return name
 
 
 def _with_default_out_dirs(config_cls: type, presets: Mapping[str, Any]) -> dict[str, Any]:
@@ -431,23 +366,13 @@ def _leaf_names(config_cls: type) -> Iterator[str]:
     return (path.rsplit(".", 1)[-1] for path in _field_paths(config_cls))
 
 
-def _presets_help(config_cls: type, presets: Mapping[str, Any]) -> str:
-    """The help's preset section: each preset as the flags that turn the defaults into it."""
+def _preset_descriptions(config_cls: type, presets: Mapping[str, Any]) -> dict[str, str]:
+    """Each preset as the flags that turn the defaults into it (its subcommand's help)."""
     unique = {name for name, n in Counter(_leaf_names(config_cls)).items() if n == 1}
-    lines = [
-        "Presets (--preset NAME; default: default), which the flags override, and what each sets:"
-    ]
-    width = max(map(len, presets))
-    for name, preset in presets.items():
-        flags = _flags_between(presets[DEFAULT_PRESET], preset, unique) or ["(the defaults)"]
-        line = f"  {name.ljust(width)} "
-        for flag in flags:  # a flag and its value stay on one line
-            if len(line) + 1 + len(flag) > 100 and line.strip() != name:
-                lines.append(line)
-                line = " " * (width + 3)
-            line += f" {flag}"
-        lines.append(line)
-    return "\n".join(lines)
+    flags = {
+        name: _flags_between(presets[DEFAULT_PRESET], p, unique) for name, p in presets.items()
+    }
+    return {name: " ".join(f) or "the defaults" for name, f in flags.items()}
 
 
 def _flags_between(base: Any, config: Any, unique: set[str], prefix: str = "") -> list[str]:

@@ -170,7 +170,7 @@ class Config(Checked):
             # The defaults are the AWD-LSTM's (SGD at lr 30): no recipe for a Transformer.
             raise ValueError(
                 "the transformer trains with --optimizer adamw (or adam), not sgd / NT-ASGD; "
-                "start from --preset transformer-cpu, transformer-gpu or transformer-smoke"
+                "start from the preset transformer-cpu, transformer-gpu or transformer-smoke"
             )
         longest = self.data.longest_window
         if self.evaluation.dynamic_eval:

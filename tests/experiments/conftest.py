@@ -19,10 +19,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE_RUNS = {
-    "awd_softmax": ("--preset", "smoke"),
-    "awd_mos": ("--preset", "smoke", "--head", "mos"),  # the smoke head: 2 components
-    "transformer_softmax": ("--preset", "transformer-smoke"),
-    "transformer_mos": ("--preset", "transformer-smoke", "--head", "mos"),
+    "awd_softmax": ("smoke",),
+    "awd_mos": ("smoke", "--head", "mos"),  # the smoke head: 2 components
+    "transformer_softmax": ("transformer-smoke",),
+    "transformer_mos": ("transformer-smoke", "--head", "mos"),
 }
 
 

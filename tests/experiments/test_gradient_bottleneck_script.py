@@ -22,7 +22,7 @@ def standard_promotion():
 
 def test_curves_are_ratios_and_a_rerun_resumes_finished_heads(tmp_path, monkeypatch):
     out = tmp_path / "gb"
-    summary = gradient_bottleneck.main(["--preset", "smoke", "--out_dir", str(out)])
+    summary = gradient_bottleneck.main(["smoke", "--out_dir", str(out)])
     assert [row["head"] for row in summary] == ["softmax", "mos"]
     saved = json.loads((out / "gradient_bottleneck.json").read_text())
     for curve in saved["curves"]:
@@ -43,26 +43,22 @@ def test_curves_are_ratios_and_a_rerun_resumes_finished_heads(tmp_path, monkeypa
         raise AssertionError(f"{head} was finished and must not be trained again")
 
     monkeypatch.setattr(gradient_bottleneck, "train_head", no_training)
-    again = gradient_bottleneck.main(["--preset", "smoke", "--out_dir", str(out)])
+    again = gradient_bottleneck.main(["smoke", "--out_dir", str(out)])
     assert again == summary
     # A subset of the heads reuses their curves too.
-    subset = gradient_bottleneck.main(
-        ["--preset", "smoke", "--heads", "mos", "--out_dir", str(out)]
-    )
+    subset = gradient_bottleneck.main(["smoke", "--heads", "mos", "--out_dir", str(out)])
     assert subset == summary[1:]
     # Another configuration in the same folder retrains (here: refused by the stub).
     with pytest.raises(AssertionError, match="must not be trained again"):
-        gradient_bottleneck.main(["--preset", "smoke", "--steps", "6", "--out_dir", str(out)])
+        gradient_bottleneck.main(["smoke", "--steps", "6", "--out_dir", str(out)])
 
 
 def test_unknown_head_and_empty_measurement_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        gradient_bottleneck.main(["--preset", "smoke", "--heads", "softmax", "nope"])
+        gradient_bottleneck.main(["smoke", "--heads", "softmax", "nope"])
     assert exit_info.value.code == 2
     assert "nope" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
-        gradient_bottleneck.main(
-            ["--preset", "smoke", "--positions", "1", "--out_dir", str(tmp_path / "x")]
-        )
+        gradient_bottleneck.main(["smoke", "--positions", "1", "--out_dir", str(tmp_path / "x")])
     assert exit_info.value.code == 2
     assert "holds no whole window" in capsys.readouterr().err

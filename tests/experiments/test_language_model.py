@@ -28,6 +28,7 @@ from bottleneck.runs import UsageError, language_model, parse_config
 from bottleneck.train import HeadConfig
 from bottleneck.train.run_loop import TrainingDiverged
 from experiments import language_model as script
+from tests.usage import plain
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "language_model.py"
@@ -93,7 +94,7 @@ def _metrics(out):
 @pytest.fixture(scope="module")
 def smoke(env, tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")
-    code, stdout, stderr = _run(env, "--preset", "smoke", "--out_dir", str(out))
+    code, stdout, stderr = _run(env, "smoke", "--out_dir", str(out))
     assert code == 0, stderr
     return out, stdout
 
@@ -141,27 +142,27 @@ def test_smoke_run_writes_every_output(smoke):
     [
         (
             ["--head", "nope"],
-            "argument --head/--head.name: invalid choice 'nope' (choose from soft",
+            "invalid choice 'nope' for argument '--head/--head.name'",
         ),
         (["--dropout", "1.5"], "dropout must be in [0, 1)"),
         (["--dropoutl", "0.2"], "dropoutl > 0 needs a mixture head"),
-        (["--corpus", "wiki"], "invalid choice 'wiki' (choose from ptb, wikitext2)"),
-        (["--preset", "huge"], "argument --preset: invalid choice 'huge'"),
+        (["--corpus", "wiki"], "invalid choice 'wiki' for argument"),
+        (["huge"], "Unrecognized options: huge"),
         (["--lr", "nan"], "lr must be finite, got nan"),
         (["--dynamic_eval_lambda", "inf"], "dynamic_eval_lambda must be finite"),
         (["--patience", "0"], "patience must be >= 1 or None, got 0"),
         (["--train_tokens", "0"], "train_tokens must be >= 1 or None, got 0"),
         (["model:transformer"], "the transformer trains with --optimizer adamw"),
-        (["model:lstm"], "unrecognized arguments: model:lstm"),
-        (["--d_model", "8"], "unrecognized arguments: --d_model 8"),  # not the AWD-LSTM's
+        (["model:lstm"], "Unrecognized options: model:lstm"),
+        (["--d_model", "8"], "Unrecognized or misplaced options: --d_model"),  # not the AWD-LSTM's
         (
-            ["--preset", "transformer-smoke", "--max_len", "7"],
+            ["transformer-smoke", "--max_len", "7"],
             "max_len 7 must cover the longest window, 8 steps",
         ),
-        (["--preset", "transformer-smoke", "--num_heads", "3"], "num_heads 3 must divide"),
+        (["transformer-smoke", "--num_heads", "3"], "num_heads 3 must divide"),
         (
-            ["--preset", "transformer-smoke", "--optimizer", "adamw2"],
-            "invalid choice 'adamw2' (choose from sgd, adam, adamw)",
+            ["transformer-smoke", "--optimizer", "adamw2"],
+            "invalid choice 'adamw2' for argument",
         ),
         (
             ["--data_dir", "/nonexistent"],
@@ -169,12 +170,13 @@ def test_smoke_run_writes_every_output(smoke):
         ),
     ],
 )
-def test_bad_flags_exit_with_one_clear_line(args, message, tmp_path, capsys):
+def test_bad_flags_exit_with_a_clear_message(args, message, tmp_path, capsys):
+    preset = [] if args[0] in language_model.PRESETS else ["smoke"]
     with pytest.raises(SystemExit) as exit_info:
-        script.main(["--preset", "smoke", "--out_dir", str(tmp_path), *args])
+        script.main([*preset, *args, "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("language_model.py: error: ") and message in line
+    text = plain(capsys.readouterr().err)
+    assert message in text, text
 
 
 @pytest.mark.parametrize(
@@ -194,13 +196,13 @@ def test_bad_flags_exit_with_one_clear_line(args, message, tmp_path, capsys):
         (["--head.name", "plif", "--plif_noise", "-1"], "plif_noise must be a finite number >= 0"),
     ],
 )
-def test_bad_head_options_exit_2_in_one_line_and_write_nothing(args, message, tmp_path, capsys):
+def test_bad_head_options_exit_2_and_write_nothing(args, message, tmp_path, capsys):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        script.main(["--preset", "smoke", "--out_dir", str(out), *args])
+        script.main(["smoke", "--out_dir", str(out), *args])
     assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("language_model.py: error: ") and message in line, line
+    text = plain(capsys.readouterr().err)
+    assert message in text, text
     assert not out.exists()  # no config.json, checkpoints/ or tfds/ left behind
 
 
@@ -211,20 +213,24 @@ def test_head_options_the_head_does_not_take_are_not_checked():
         HeadConfig("plif", num_knots=1)
 
 
-def test_a_usage_error_is_one_line_from_the_command_line_too(env, tmp_path):
-    for args, message in [
-        (["--optimizer.lr", "nan"], "language_model.py: error: lr must be finite, got nan"),
-        (["--bogus", "1"], "language_model.py: error: unrecognized arguments: --bogus 1"),
+def test_usage_errors_from_the_command_line_exit_2_with_their_reason(env, tmp_path):
+    for args, message in [  # tyro's: its box
+        (["--optimizer.lr", "nan"], "lr must be finite, got nan"),
+        (["--bogus", "1"], "Unrecognized options: --bogus, 1"),
     ]:
-        code, stdout, stderr = _run(env, *args, "--out_dir", str(tmp_path))
-        assert (code, stdout, stderr) == (2, "", message + "\n")
-    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+        code, stdout, stderr = _run(env, *args, "--out_dir", str(tmp_path / "run"))
+        assert (code, stdout) == (2, "") and message in plain(stderr)
+    assert not any(tmp_path.iterdir())
+    missing = str(tmp_path / "no-corpus")
+    code, stdout, stderr = _run(env, "--data_dir", missing, "--out_dir", str(tmp_path / "run"))
+    assert (code, stdout) == (2, "") and len(stderr.splitlines()) == 1  # the script's: one line
+    assert stderr.startswith("language_model.py: error: ") and "ptb.train.txt" in stderr
 
 
 def test_missing_data_dir_and_env_var(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("BOTTLENECK_DATA_DIR", raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        script.main(["--preset", "cpu-small", "--out_dir", str(tmp_path)])
+        script.main(["cpu-small", "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "$BOTTLENECK_DATA_DIR is not set" in err and "ptb.train.txt" in err
@@ -240,20 +246,20 @@ def test_help_lists_the_groups_both_spellings_and_what_each_preset_sets(capsys):
     assert "--lr FLOAT, --optimizer.lr FLOAT" in text and "--head {softmax,sigsoftmax," in text
     assert "--emsize INT, --model.emsize INT" in text and "--model.tie_weights" in text
     assert "model:awd_lstm" in text and "model:transformer" in text
-    presets = text[text.index("Presets (--preset NAME") :]
-    mos_ptb = presets[presets.index("  mos-ptb ") : presets.index("  mos-wt2 ")]
+    presets = plain(text[text.index("subcommands") :])
+    mos_ptb = presets[presets.index(" mos-ptb ") : presets.index(" mos-wt2 ")]
     assert "--head mos" in mos_ptb and "--lr 20.0" in mos_ptb and "--seed 28" in mos_ptb
     assert "--dropouti" not in mos_ptb  # 0.4, the default: only what a preset changes is listed
-    cpu = presets[presets.index("  transformer-cpu ") : presets.index("  transformer-study ")]
+    cpu = presets[presets.index(" transformer-cpu ") : presets.index(" transformer-study ")]
     assert "model:transformer" in cpu and "--optimizer adamw" in cpu and "--d_model 128" in cpu
     with pytest.raises(SystemExit):  # the chosen model's fields, from its preset
-        script.main(["--preset", "transformer-cpu", "--help"])
+        script.main(["transformer-cpu", "--help"])
     text = capsys.readouterr().out
     assert "--d_model INT, --model.d_model INT" in text and "(default: 128)" in text
 
 
 def test_dotted_and_short_flags_set_the_same_field(tmp_path):
-    base = ["--preset", "smoke", "--out_dir", str(tmp_path)]
+    base = ["smoke", "--out_dir", str(tmp_path)]
     dotted = parse_config(
         language_model.Config,
         language_model.PRESETS,
@@ -268,7 +274,7 @@ def test_dotted_and_short_flags_set_the_same_field(tmp_path):
 def test_resuming_with_other_flags_is_refused(smoke, capsys):
     out, _ = smoke
     with pytest.raises(SystemExit) as exit_info:
-        script.main(["--preset", "smoke", "--out_dir", str(out), "--lr", "3.0"])
+        script.main(["smoke", "--out_dir", str(out), "--lr", "3.0"])
     assert exit_info.value.code == 2
     assert "different config (optimizer.lr: 1.0 -> 3.0)" in capsys.readouterr().err
 
@@ -276,7 +282,7 @@ def test_resuming_with_other_flags_is_refused(smoke, capsys):
 def test_a_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
     (tmp_path / ".lock").write_text(str(os.getppid()))  # a live process that is not us
     with pytest.raises(SystemExit) as exit_info:
-        script.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
+        script.main(["smoke", "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert f"is in use by process {os.getppid()}" in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists()  # refused before touching anything
@@ -284,7 +290,7 @@ def test_a_folder_in_use_by_a_live_run_is_refused(tmp_path, capsys):
 
 def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(env, tmp_path):
     process = subprocess.run(
-        [sys.executable, "-c", FULL_DISK_AFTER_ONE_CHECKPOINT, "--preset", "smoke",
+        [sys.executable, "-c", FULL_DISK_AFTER_ONE_CHECKPOINT, "smoke",
          "--out_dir", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -300,7 +306,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(env, tmp_
     errors = [line for line in process.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and re.fullmatch(error, errors[0]), errors
     assert [p.name for p in checkpoints.iterdir()] == [str(epoch_1["step"])]
-    code, stdout, stderr = _run(env, "--preset", "smoke", "--out_dir", str(tmp_path))
+    code, stdout, stderr = _run(env, "smoke", "--out_dir", str(tmp_path))
     assert code == 0, stderr
     assert "at epoch 2, window 0" in stderr
 
@@ -313,7 +319,7 @@ def test_a_diverged_run_exits_with_status_1_and_the_loops_message(tmp_path, caps
 
     monkeypatch.setattr(script, "run_experiment", diverge)
     with pytest.raises(SystemExit) as exit_info:
-        script.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
+        script.main(["smoke", "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 1
     assert "error: the training loss became nan in epoch 2" in capsys.readouterr().err
 
@@ -321,7 +327,7 @@ def test_a_diverged_run_exits_with_status_1_and_the_loops_message(tmp_path, caps
 def test_a_folder_of_another_experiment_is_refused_before_anything_is_written(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"experiment": "synthetic"}))
     with pytest.raises(SystemExit) as exit_info:
-        script.main(["--preset", "smoke", "--out_dir", str(tmp_path)])
+        script.main(["smoke", "--out_dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "holds a run of synthetic, not of language_model" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
@@ -334,7 +340,7 @@ def test_a_folder_of_another_experiment_is_refused_before_anything_is_written(tm
 def test_smoke_on_the_real_corpus_reads_a_few_hundred_tokens(env, tmp_path):
     start = time.monotonic()
     code, _, stderr = _run(
-        env, "--preset", "smoke", "--data_dir", str(ROOT.parent / "shared" / "data"),
+        env, "smoke", "--data_dir", str(ROOT.parent / "shared" / "data"),
         "--no-dynamic_eval", "--out_dir", str(tmp_path),
     )  # fmt: skip
     assert code == 0, stderr
@@ -345,7 +351,7 @@ def test_smoke_on_the_real_corpus_reads_a_few_hundred_tokens(env, tmp_path):
     assert time.monotonic() - start < 240  # seconds to minutes, not three PTB epochs
 
 
-TRANSFORMER = ("--preset", "transformer-smoke")
+TRANSFORMER = ("transformer-smoke",)
 MIXTURE = (*TRANSFORMER, "--head", "mos", "--no-dynamic_eval")
 
 

@@ -24,6 +24,7 @@ from bottleneck.runs import lm_study_report as report
 from bottleneck.runs import parse_config
 from bottleneck.runs import statistics as paired_stats
 from experiments import lm_study
+from tests.usage import plain
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "lm_study.py"
@@ -43,7 +44,7 @@ def env(tmp_path_factory):
 
 def _run(env, *args, preset="smoke"):
     process = subprocess.run(
-        [sys.executable, str(SCRIPT), "--preset", preset, *args],
+        [sys.executable, str(SCRIPT), preset, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     return process.returncode, process.stdout, process.stderr
@@ -220,7 +221,7 @@ def test_committed_reports_are_what_the_code_writes_from_their_rows(preset, name
     Only the line saying who wrote it (the commit, the machine, the date) may differ."""
     results = ROOT / "docs" / "results"
     lm_study.main(
-        ["--preset", preset, "--results_csv", str(results / f"{name}.csv"), "--report_only",
+        [preset, "--results_csv", str(results / f"{name}.csv"), "--report_only",
          "--out_dir", str(tmp_path)]
     )  # fmt: skip
 
@@ -228,7 +229,7 @@ def test_committed_reports_are_what_the_code_writes_from_their_rows(preset, name
         return [line for line in page.read_text().splitlines() if not line.startswith("Written by")]
 
     assert body(tmp_path / "study.md") == body(results / f"{name}.md"), (
-        f"docs/results/{name}.md is stale: rerun `python experiments/lm_study.py --preset {preset}"
+        f"docs/results/{name}.md is stale: rerun `python experiments/lm_study.py {preset}"
         f" --results_csv docs/results/{name}.csv --report_only --out_dir DIR` and copy its study.md"
     )
 
@@ -283,21 +284,21 @@ def test_a_failing_cell_is_recorded_and_the_others_finish(env, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--heads", "softmax", "nope"], "argument --heads: "),
+        (["--heads", "softmax", "nope"], "invalid choice 'nope' for argument '--heads'"),
         (["--ds", "4", "4"], "ds must name distinct values, at least one, got (4, 4)"),
         (["--rank_d", "16"], "rank_d 16 is not one of ds (4,)"),
         (["--lr", "nan"], "lr must be finite"),
         (["--patience", "0"], "patience must be >= 1"),
         (["--max_len", "4"], "max_len 4 must cover the longest window"),  # the cells' own check
-        (["trunk.model:rnn"], "unrecognized arguments: trunk.model:rnn"),
+        (["trunk.model:rnn"], "Unrecognized options: trunk.model:rnn"),
     ],
 )
 def test_bad_flags_exit_with_a_clear_message(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        lm_study.main(["--preset", "smoke", "--out_dir", str(tmp_path), *args])
+        lm_study.main(["smoke", "--out_dir", str(tmp_path), *args])
     assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("lm_study.py: error: ") and message in line
+    text = plain(capsys.readouterr().err)
+    assert message in text, text
 
 
 def test_gains_are_paired_by_seed_and_count_the_seeds_a_head_wins(tmp_path):
@@ -621,11 +622,11 @@ def test_the_fixed_embedding_keeps_the_trunk_across_d_under_digests_of_its_own(c
     assert "(fixed trunk: decoder E Q)" in report.title(fixed, [])
     for argv, message in [
         (["--embedding_features", "64"], "give it with --embedding fixed"),
-        (["--preset", "awd-smoke", "--embedding", "fixed"], "is a Transformer's"),
+        (["awd-smoke", "--embedding", "fixed"], "is a Transformer's"),
     ]:
         with pytest.raises(SystemExit):
             parse_config(study.Config, study.PRESETS, argv)
-        assert message in capsys.readouterr().err
+        assert message in plain(capsys.readouterr().err)
 
 
 def test_the_report_names_the_trunk_and_mixtape_s_gate_sharing_from_the_config():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bottleneck import spectrum_streaming as ss
+from tests.usage import plain
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "rank.py"
 SMOKE_DIMS = (4, 8)
@@ -33,7 +34,7 @@ def rank_script():
 def smoke(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("rank_smoke")
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--preset", "smoke", "--out_dir", str(out_dir)],
+        [sys.executable, str(SCRIPT), "smoke", "--out_dir", str(out_dir)],
         cwd=SCRIPT.parents[1],
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
         capture_output=True,
@@ -127,11 +128,11 @@ def test_model_mode_subsamples_columns_reproducibly(rank_script, tmp_path, capsy
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--heads", "softmax", "nope"], "argument --heads: "),
+        (["--heads", "softmax", "nope"], "invalid choice 'nope' for argument '--heads'"),
         (["--dims", "8", "0"], "dims must be >= 1, got (8, 0)"),
         (["--mode", "model"], "--log_probs PATH is required in model mode"),
         (["--mode", "model", "--log_probs", "/nonexistent/lp.npy"], "does not exist"),
-        (["--mode", "sideways"], "invalid choice 'sideways' (choose from random, model)"),
+        (["--mode", "sideways"], "invalid choice 'sideways' for argument"),
         (["--heads", "mos", "--num_components", "1"], "num_components must be >= 2"),
         (["--heads", "plif", "--num_knots", "1"], "num_knots must be >= 2"),
     ],
@@ -140,6 +141,6 @@ def test_bad_cli_values_exit_with_a_message(rank_script, tmp_path, capsys, argv,
     with pytest.raises(SystemExit) as exit_info:
         rank_script.main([*argv, "--out_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("rank.py: error: ") and message in line
+    text = plain(capsys.readouterr().err)
+    assert message in text, text
     assert not (tmp_path / "out").exists()  # nothing is written before the config is valid

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import synthetic
+from tests.usage import plain
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "synthetic.py"
@@ -25,7 +26,7 @@ def _run(*args):
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
     out = [tmp_path_factory.mktemp(f"synthetic{i}") for i in range(2)]
-    results = [_run("--preset", "smoke", "--out_dir", str(o)) for o in out]
+    results = [_run("smoke", "--out_dir", str(o)) for o in out]
     for result in results:
         assert result.returncode == 0, result.stderr
     return out, results
@@ -109,10 +110,10 @@ def test_same_seed_same_results(smoke_runs):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--heads", "softmax", "nope"], "argument --heads: "),
+        (["--heads", "softmax", "nope"], "invalid choice 'nope' for argument '--heads'"),
         (["--dims", "0", "4"], "dims must be >= 1, got (0, 4)"),
         (["--alphas", "-0.1"], "alphas must be > 0, got (-0.1,)"),
-        (["--preset", "huge"], "argument --preset: invalid choice 'huge'"),
+        (["huge"], "Unrecognized options: huge"),
         (["--learning_rate", "nan"], "learning_rate must be finite, got nan"),
         (["--alphas", "0.1", "inf"], "alphas must be finite"),
         (["--mesh", "data=3"], "needs data x vocab = 3 devices but 1 are available"),
@@ -132,8 +133,8 @@ def test_bad_cli_values_exit_with_message(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         synthetic.main([*args, "--out_dir", str(tmp_path / "run")])
     assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("synthetic.py: error: ") and message in line
+    text = plain(capsys.readouterr().err)
+    assert message in text, text
     assert not (tmp_path / "run").exists()  # no config.json, checkpoints/ or tfds/
 
 
@@ -142,13 +143,13 @@ def test_another_experiments_folder_and_a_file_are_refused_in_one_line(tmp_path)
     run.mkdir()
     config = json.dumps({"experiment": "language_model", "config": {}})
     (run / "config.json").write_text(config)
-    result = _run("--preset", "smoke", "--out_dir", str(run))
+    result = _run("smoke", "--out_dir", str(run))
     assert result.returncode == 2
     assert "holds a run of language_model, not of synthetic" in result.stderr
     assert "Traceback" not in result.stderr
     assert (run / "config.json").read_text() == config  # untouched
     (tmp_path / "file").write_text("x")
-    result = _run("--preset", "smoke", "--out_dir", str(tmp_path / "file"))
+    result = _run("smoke", "--out_dir", str(tmp_path / "file"))
     assert result.returncode == 2 and "exists and is not a folder" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -158,7 +159,7 @@ def test_ctrl_c_keeps_the_finished_runs_and_a_rerun_goes_on_from_them(tmp_path):
     with a page titled partial and its plot; the same command then trains only the second, and
     the kept row is unchanged. Another setting than the kept rows' is refused in one line."""
     out = tmp_path / "run"
-    args = [sys.executable, str(SCRIPT), "--preset", "smoke", "--steps", "10000",
+    args = [sys.executable, str(SCRIPT), "smoke", "--steps", "10000",
             "--log_every", "10", "--heads", "softmax", "--dims", "2", "--seeds", "0", "1",
             "--out_dir", str(out)]  # fmt: skip
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -196,7 +197,10 @@ def test_every_flag_has_help(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # one line per flag
     with pytest.raises(SystemExit):
         synthetic.main(["--help"])
-    lines = [line.strip("│ ") for line in capsys.readouterr().out.split("options")[1].splitlines()]
+    lines = [
+        line.strip("│ ")
+        for line in capsys.readouterr().out.split("(source subcommand: default)")[1].splitlines()
+    ]
     entries, entry = [], []  # one per flag: its line and the help's continuation lines
     for line in lines:
         if line.startswith("--") and entry:
