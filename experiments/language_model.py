@@ -32,7 +32,7 @@ with; ``--max_len`` must cover the longest, and each step is scaled by ``seq_len
 AdamW as for SGD) and the same evaluation windows. The run (epochs, NT-ASGD,
 ``--finetune_from``'s averaging stage, ``--patience``, checkpoints every epoch and on SIGINT /
 SIGTERM, resuming by rerunning the same command, the final and ``--dynamic_eval`` evaluation,
-the files written to ``--out_dir``) is :mod:`bottleneck.train.run_loop`'s; its docstring says
+the files written to ``--out_dir``) is :mod:`bottleneck.runs.run_loop`'s; its docstring says
 what it does. A resumed run may change only the fields in ``RESUMABLE_CHANGES`` (for AdamW not
 ``--epochs``, which sets its schedule's length).
 
@@ -55,7 +55,7 @@ from typing import Any
 from bottleneck.runs import parse_config
 from bottleneck.runs.cli import one_line_errors
 from bottleneck.runs.language_model import PRESETS, Config, run_experiment
-from bottleneck.train.run_loop import TrainingDiverged
+from bottleneck.runs.run_loop import TrainingDiverged
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

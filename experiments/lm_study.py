@@ -103,7 +103,7 @@ from bottleneck.runs.lm_study import (
 )
 from bottleneck.runs.lm_study_report import write_report
 from bottleneck.runs.log_prob_spectrum import SpectrumOptions, write_log_prob_spectrum
-from bottleneck.train.run_loop import TrainingDiverged
+from bottleneck.runs.run_loop import TrainingDiverged
 
 matplotlib.use("Agg")
 

@@ -2,7 +2,7 @@
 
 :class:`Config` is ``experiments/language_model.py``'s (the AWD-LSTM or a Transformer, any head,
 PTB or WikiText-2; a preset of :data:`PRESETS` to start from); :func:`run_experiment` trains,
-resumes or finetunes and evaluates it in a run folder (:func:`bottleneck.train.train_and_evaluate`
+resumes or finetunes and evaluates it in a run folder (:func:`bottleneck.runs.run_loop.train_and_evaluate`
 is the loop); :func:`load_run` rebuilds a finished run's model with its best parameters, whoever
 trained it (the study's cells, a user's own runs); :func:`head_inputs` and
 :func:`validation_windows` are what the diagnostics scripts measure a loaded model on.
@@ -35,18 +35,22 @@ from bottleneck.nn.transformer import (
 from bottleneck.runs.checkpoint import CheckpointStore
 from bottleneck.runs.cli import Checked, Count, Dropout, NonNegative, markdown_table
 from bottleneck.runs.folder import UsageError, config_from_jsonable
-from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_model, use_mesh
-from bottleneck.train import (
+from bottleneck.runs.lm_config import (
     DataConfig,
     EvaluationConfig,
     HeadConfig,
     OptimizerConfig,
-    Trainer,
     TrainingConfig,
-    train_and_evaluate,
 )
+from bottleneck.runs.run_loop import (
+    VOCABULARY_FILE,
+    open_session,
+    train_and_evaluate,
+    written_files,
+)
+from bottleneck.sharding import mesh_from_flag, require_data_divides, shard_model, use_mesh
+from bottleneck.train import Trainer
 from bottleneck.train.lm import LanguageModel
-from bottleneck.train.run_loop import VOCABULARY_FILE, open_session, written_files
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from bottleneck.runs import rows as store
 from bottleneck.runs.cli import Checked, Count
 from bottleneck.runs.folder import accelerator, code_commit, to_jsonable
 from bottleneck.runs.language_model import AWDLSTMConfig, TransformerConfig
-from bottleneck.train import (
+from bottleneck.runs.lm_config import (
     DataConfig,
     EvaluationConfig,
     HeadConfig,

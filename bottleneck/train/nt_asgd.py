@@ -7,7 +7,7 @@ finetune stage of AWD-LSTM restarts averaging from the best model and stops on t
 
 Both pieces are pure; the training loop owns the validation history and the switch flag.
 :class:`NtAsgd` is the epoch-level rule as one :class:`EpochPolicy` of the run loop
-(:mod:`bottleneck.train.run_loop`); :class:`KeepBest` is the one for optimizers that never average.
+(:mod:`bottleneck.runs.run_loop`); :class:`KeepBest` is the one for optimizers that never average.
 """
 
 from __future__ import annotations

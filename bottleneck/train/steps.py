@@ -267,7 +267,7 @@ class Trainer:
 
     Train with :meth:`step` / :meth:`run` (a ``loss_fn``) or, for a
     :class:`~bottleneck.train.lm.LanguageModel`, :meth:`window_step`, :meth:`evaluate` and
-    :meth:`dynamic_evaluate` (the run loop, :mod:`bottleneck.train.run_loop`).
+    :meth:`dynamic_evaluate` (the run loop, :mod:`bottleneck.runs.run_loop`).
 
     Args:
       model: an NNX module holding only ``nnx.Param`` state; it is left as it is (the steps

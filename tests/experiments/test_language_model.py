@@ -1,7 +1,7 @@
 """experiments/language_model.py: the smoke runs end to end, its flags, presets and refusals.
 
 The run loop itself (resuming, stop signals, divergence, finetuning, early stopping) is tested
-with a tiny model in tests/train/test_run_loop.py. The runs here are subprocesses sharing one
+with a tiny model in tests/runs/test_run_loop.py. The runs here are subprocesses sharing one
 persistent JAX compilation cache (and XLA's fast compile mode), so only the first compiles.
 The Transformer's runs: a plain and a mixture head on one device, and the mixture head on a
 vocabulary-parallel mesh of 8 CPU devices stopped by SIGTERM mid-epoch and resumed (that
@@ -25,8 +25,8 @@ import pytest
 from bottleneck.data import FIXTURES_DIR
 from bottleneck.losses import DEFAULT_MEMORY_BUDGET
 from bottleneck.runs import UsageError, language_model, parse_config
-from bottleneck.train import HeadConfig
-from bottleneck.train.run_loop import TrainingDiverged
+from bottleneck.runs.lm_config import HeadConfig
+from bottleneck.runs.run_loop import TrainingDiverged
 from experiments import language_model as script
 from tests.usage import plain
 
@@ -313,7 +313,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(env, tmp_
 
 def test_a_diverged_run_exits_with_status_1_and_the_loops_message(tmp_path, capsys, monkeypatch):
     # The loop's side (nothing of the broken epoch saved, the last checkpoint resumes) is
-    # tests/train/test_run_loop.py's; here, what the command line makes of it.
+    # tests/runs/test_run_loop.py's; here, what the command line makes of it.
     def diverge(config):
         raise TrainingDiverged("the training loss became nan in epoch 2")
 

@@ -323,7 +323,7 @@ def test_an_interrupted_run_ends_quietly_with_its_signals_status(capsys):
 def test_show_logs_puts_the_librarys_lines_on_stderr_once(capsys):
     show_logs()
     show_logs()  # idempotent: one handler
-    logging.getLogger("bottleneck.train.run_loop").info("resumed x at epoch 2, window 0")
+    logging.getLogger("bottleneck.runs.run_loop").info("resumed x at epoch 2, window 0")
     assert capsys.readouterr().err == "resumed x at epoch 2, window 0\n"
 
 

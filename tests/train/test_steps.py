@@ -10,6 +10,7 @@ from flax import nnx
 
 from bottleneck import nn
 from bottleneck.runs import UsageError
+from bottleneck.runs.lm_config import OptimizerConfig
 from bottleneck.train import (
     Trainer,
     eval_step,
@@ -19,7 +20,6 @@ from bottleneck.train import (
     window_step,
 )
 from bottleneck.train.lm import Window
-from bottleneck.train.lm_config import OptimizerConfig
 from bottleneck.train.steps import init_state, train_steps
 
 
@@ -118,7 +118,7 @@ def test_adamw_schedule_warms_up_linearly_then_decays_by_a_cosine():
 
 
 def _table_model_and_window():
-    from tests.train.test_run_loop import TableModel
+    from tests.runs.test_run_loop import TableModel
 
     model = TableModel(stateful=True, seed=1)
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""The run loop (bottleneck.train.run_loop) with a tiny model: epochs, resuming, stopping, policies.
+"""The run loop (bottleneck.runs.run_loop) with a tiny model: epochs, resuming, stopping, policies.
 
 The model is a bigram-plus-carry table model: the logits of the next token are
 ``table[x_t] + prev[x_{t-1}]``, where ``x_{-1}`` is the carry (the last token of the previous
@@ -25,16 +25,16 @@ from flax import nnx
 from bottleneck.data import TokenizedCorpus, Vocabulary, batchify
 from bottleneck.runs import TrainingInterrupted, UsageError
 from bottleneck.runs.cli import show_logs
-from bottleneck.train import Trainer
-from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
-from bottleneck.train.nt_asgd import KeepBest, NtAsgd, NtAsgdStatus
-from bottleneck.train.run_loop import (
+from bottleneck.runs.lm_config import DataConfig, EvaluationConfig, TrainingConfig
+from bottleneck.runs.run_loop import (
     TrainingDiverged,
     epochs_since_best,
     open_session,
     stop_reason,
     train_and_evaluate,
 )
+from bottleneck.train import Trainer
+from bottleneck.train.nt_asgd import KeepBest, NtAsgd, NtAsgdStatus
 
 VOCAB = 8
 

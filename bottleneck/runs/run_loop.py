@@ -83,12 +83,12 @@ from bottleneck.runs.folder import (
     open_run,
     to_jsonable,
 )
+from bottleneck.runs.lm_config import DataConfig, EvaluationConfig, TrainingConfig
 from bottleneck.train.lm import (
     LogProbBlockWriter,
     eval_windows,
     num_eval_windows,
 )
-from bottleneck.train.lm_config import DataConfig, EvaluationConfig, TrainingConfig
 from bottleneck.train.nt_asgd import EpochOutcome, EpochPolicy, NtAsgdStatus
 from bottleneck.train.steps import Trainer
 

@@ -11,10 +11,10 @@ Each part is a frozen dataclass that checks itself on construction
 * :class:`OptimizerConfig`: the optax transformation and its :class:`~bottleneck.train.nt_asgd.
   EpochPolicy` (NT-ASGD for SGD; AdamW with linear warmup and cosine decay keeps the best);
 * :class:`TrainingConfig` and :class:`EvaluationConfig`: the run loop's own options
-  (:func:`bottleneck.train.run_loop.train_and_evaluate`).
+  (:func:`bottleneck.runs.run_loop.train_and_evaluate`).
 
 A script nests them in its config (``data: DataConfig = DataConfig()``), adds its model's part,
-and gets ``--data.batch_size`` style flags from :func:`bottleneck.train.parse_config`.
+and gets ``--data.batch_size`` style flags from :func:`bottleneck.runs.parse_config`.
 """
 
 from __future__ import annotations
