@@ -44,6 +44,7 @@ from bottleneck.runs.lm_config import (
 )
 from bottleneck.runs.run_loop import (
     VOCABULARY_FILE,
+    LanguageModelRun,
     open_session,
     train_and_evaluate,
     written_files,
@@ -425,7 +426,7 @@ def run_experiment(config: Config) -> dict[str, Any]:
         use_mesh(mesh),
     ):
         corpus, root = config.data.load(config.out_dir), session.run.root
-        results = train_and_evaluate(
+        run = LanguageModelRun(
             build_trainer(config, corpus, mesh),
             corpus,
             session,
@@ -434,6 +435,9 @@ def run_experiment(config: Config) -> dict[str, Any]:
             evaluation=config.evaluation,
             policy=config.optimizer.policy(finetune=config.training.finetune_from is not None),
             seed=config.seed,
+        )
+        results = train_and_evaluate(
+            run,
             describe={
                 "model": config.model.family,
                 "head": config.head.name,

@@ -217,10 +217,8 @@ class Ticker:
 
 
 class LanguageModelRun:
-    """One training run: the trainer, its bookkeeping, checkpoints and metrics.
-
-    :func:`train_and_evaluate` drives it; the parts are separate so that tests can stop and
-    restart a run between them.
+    """One training run: the trainer, its bookkeeping, checkpoints and metrics, which
+    :func:`train_and_evaluate` drives.
 
     Args:
       trainer: the model and its optimizer (freshly initialised: a checkpoint or a finetune
@@ -564,23 +562,13 @@ class LanguageModelRun:
         return results
 
 
-def train_and_evaluate(
-    trainer: Trainer,
-    corpus: TokenizedCorpus,
-    session: Session,
-    *,
-    data: DataConfig,
-    training: TrainingConfig,
-    evaluation: EvaluationConfig,
-    policy: EpochPolicy,
-    seed: int,
-    describe: Mapping[str, Any],
-) -> dict[str, Any]:
-    """Trains (or resumes, or finetunes) and evaluates; writes and returns the results.
+def train_and_evaluate(lm: LanguageModelRun, describe: Mapping[str, Any]) -> dict[str, Any]:
+    """Trains (or resumes, or finetunes) the run ``lm`` and evaluates it; writes and returns the
+    results.
 
     Args:
-      trainer, corpus, session, data, training, evaluation, policy, seed: as for
-        :class:`LanguageModelRun`.
+      lm: the run, freshly built (a checkpoint in its folder, or its finetune source, replaces
+        its trainer's state).
       describe: what was trained (e.g. model, head, corpus): the first entries of the results
         (and of the line logged before training).
 
@@ -588,33 +576,21 @@ def train_and_evaluate(
       ``results.json``'s contents: ``describe``, then the evaluation's results (perplexities,
       ``stop_reason``, ``data`` provenance, ``tokens_used``, ``dynamic_eval``, ...).
     """
-    record_vocabulary(
-        session.run, corpus.vocabulary, resuming=session.store.latest_step() is not None
-    )
-    lm = LanguageModelRun(
-        trainer,
-        corpus,
-        session,
-        data=data,
-        training=training,
-        evaluation=evaluation,
-        policy=policy,
-        seed=seed,
-    )
-    if not lm.restore() and training.finetune_from is not None:
-        lm.start_finetune(training.finetune_from)
-    num_params = sum(int(np.size(x)) for x in jax.tree.leaves(trainer.state.params))
+    record_vocabulary(lm.run, lm.corpus.vocabulary, resuming=lm.store.latest_step() is not None)
+    if not lm.restore() and lm.training.finetune_from is not None:
+        lm.start_finetune(lm.training.finetune_from)
+    num_params = sum(int(np.size(x)) for x in jax.tree.leaves(lm.trainer.state.params))
     logger.info(
         "%s: vocabulary %d, train %d tokens, %s parameters",
         ", ".join(f"{key} {value}" for key, value in describe.items()),
-        len(corpus.vocabulary),
-        len(corpus.train),
+        len(lm.corpus.vocabulary),
+        len(lm.corpus.train),
         f"{num_params:,}",
     )
     lm.train()
     results = {**describe, **lm.evaluate()}
-    session.run.write_json("results.json", results)
-    session.run.log_metrics(
+    lm.run.write_json("results.json", results)
+    lm.run.log_metrics(
         {"event": "test", **{k: v for k, v in results.items() if not isinstance(v, dict)}}
     )
     return results

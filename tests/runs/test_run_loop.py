@@ -27,6 +27,7 @@ from bottleneck.runs import TrainingInterrupted, UsageError
 from bottleneck.runs.cli import show_logs
 from bottleneck.runs.lm_config import DataConfig, EvaluationConfig, TrainingConfig
 from bottleneck.runs.run_loop import (
+    LanguageModelRun,
     TrainingDiverged,
     epochs_since_best,
     open_session,
@@ -132,7 +133,7 @@ def _run(
     finetune = config.training.finetune_from is not None
     policy = NtAsgd(nonmono=1, finetune=finetune) if config.optimizer == "sgd" else KeepBest()
     with open_session(config.out_dir, config, may_change=("training.epochs",)) as session:
-        return train_and_evaluate(
+        run = LanguageModelRun(
             trainer or _trainer(config),
             corpus or _corpus(),
             session,
@@ -141,8 +142,8 @@ def _run(
             evaluation=config.evaluation,
             policy=policy,
             seed=config.seed,
-            describe={"model": "table"},
         )
+        return train_and_evaluate(run, describe={"model": "table"})
 
 
 def _metrics(out) -> list[dict[str, Any]]:
