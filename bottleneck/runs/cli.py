@@ -220,11 +220,9 @@ def parse_config(
     writes to ``<out_dir>_<name>`` instead, so that ``smoke`` never replaces the default run's
     results; ``--help`` lists each preset with the flags that turn the defaults into it.
 
-    A malformed or unknown flag and a value the config refuses (its checks run as it is built:
-    :class:`Checked`) end the script with tyro's message and status 2; an ``out_dir`` this
-    experiment may not use (:func:`~bottleneck.runs.folder.check_run_folder`) with one line,
-    ``NAME.py: error: ...``, and status 2. The library's log lines are shown on stderr from here
-    on (:func:`show_logs`).
+    A malformed or unknown flag or a value the config refuses (:class:`Checked`) ends the script
+    with tyro's message, an ``out_dir`` this experiment may not use with one line (``NAME.py:
+    error: ...``), both with status 2. The library's log lines go to stderr (:func:`show_logs`).
 
     Example:
       >>> @dataclasses.dataclass(frozen=True)
