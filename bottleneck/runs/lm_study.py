@@ -340,7 +340,6 @@ def read_results_csv(path: Path) -> dict[tuple[str, int, int, str], dict[str, An
         row["vocab_size"] = int(row["vocab_size"]) if row["vocab_size"] else None
         row["converged"] = row["converged"] == "True"
         row["status"] = "done"
-        row.setdefault("device", "")  # a CSV of before the column: one unknown device
         for name in ("lr", "dropout"):  # before these columns: None (the CSV's recipe)
             row[name] = float(row[name]) if row.get(name) else None
         rows[(row["head"], row["d"], row["seed"], row["config_sha"])] = row
