@@ -210,15 +210,13 @@ def parse_config(
     flags (``--optimizer.lr``), a union of dataclasses is a subcommand (``model:transformer``,
     named by each class's ``family``), a tuple takes its items space-separated, ``None`` is
     spelled ``None``, a bool is ``--flag`` / ``--no_flag``. A nested field whose name no other
-    field has also answers to that name (``--lr``). The help of a field is its comment or
-    docstring.
+    field has also answers to that name (``--lr``). A field's help is its comment.
 
     ``presets`` are config instances by name, each a subcommand that comes first on the line
-    (tyro's ``subcommand_type_from_defaults``, as ``tyro.extras.overridable_config_cli`` builds
-    it); the flags override the preset. ``"default"`` (the dataclass defaults unless ``presets``
-    defines it) is used when none is named. A named preset that keeps the default ``out_dir``
-    writes to ``<out_dir>_<name>`` instead, so that ``smoke`` never replaces the default run's
-    results; ``--help`` lists each preset with the flags that turn the defaults into it.
+    (tyro's ``subcommand_type_from_defaults``, as ``overridable_config_cli`` builds it); flags
+    override it. ``"default"`` (the dataclass defaults unless ``presets`` defines it) is used
+    when none is named. A named preset that keeps the default ``out_dir`` writes to
+    ``<out_dir>_<name>``; ``--help`` lists each preset with the flags that make it.
 
     A malformed or unknown flag or a value the config refuses (:class:`Checked`) ends the script
     with tyro's message, an ``out_dir`` this experiment may not use with one line (``NAME.py:
@@ -235,6 +233,7 @@ def parse_config(
       Config(width=64, experts=(3, 5), plot=False)
     """
     show_logs()
+    argv = list(sys.argv[1:] if argv is None else argv)
     cli_type: Any = config_cls
     default: Any = tyro.MISSING_NONPROP
     if presets:
@@ -243,6 +242,8 @@ def parse_config(
         cli_type = tyro.extras.subcommand_type_from_defaults(
             presets, descriptions=_preset_descriptions(config_cls, presets)
         )
+        if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+            argv.insert(0, DEFAULT_PRESET)  # named: tyro then reads --no-plot as --no_plot
     with one_line_errors(config_cls):
         config = tyro.cli(
             cli_type,
