@@ -7,6 +7,7 @@ write (a full disk) is one :class:`CheckpointWriteError`, the previous checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -30,8 +31,7 @@ META_ITEM = "meta"
 # StandardSave takes no lone array (a model's carry can be one): it is stored as {"array": it}.
 LONE_ARRAY = "array"
 
-# (dtype name, shape) of one stored or expected array.
-Signature = tuple[str, tuple[int, ...]]
+Signature = tuple[str, tuple[int, ...]]  # (dtype name, shape) of a stored or expected array
 
 
 class CheckpointWriteError(RunFolderError):
@@ -48,6 +48,11 @@ def _signatures(tree: Any) -> dict[str, Signature]:
     name = functools.partial(jax.tree_util.keystr, simple=True, separator="/")
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {name(path): (np.dtype(x.dtype).name, tuple(map(int, x.shape))) for path, x in leaves}
+
+
+def _saved(folder: Path) -> dict[str, Signature]:
+    """The signatures of the arrays of the item saved in ``folder``, from its metadata."""
+    return _signatures(ocp.StandardCheckpointHandler().metadata(folder).tree)
 
 
 def _misfits(saved: Mapping[str, Signature], expected: Mapping[str, Signature]) -> list[str]:
@@ -126,7 +131,7 @@ class _FailedWriteEchoes:
         sys.unraisablehook = self._previous_hook
 
 
-class CheckpointStore:
+class CheckpointStore(contextlib.AbstractContextManager):
     """Numbered checkpoints in ``directory`` (created), the newest ``max_to_keep`` kept. A save
     is complete on disk when :meth:`save` returns; a killed one leaves only Orbax's temporary
     folder, never a checkpoint that :meth:`latest_step` would return."""
@@ -172,19 +177,19 @@ class CheckpointStore:
             f"checkpoint was deleted and {kept}"
         )
 
-    def contents(self, step: int | None = None) -> dict[str, dict[str, Signature]]:
-        """What checkpoint ``step`` holds: see :func:`checkpoint_contents`."""
+    def _item_folders(self, step: int | None) -> tuple[int, dict[str, Path]]:
+        """``step`` (default the latest) and its items' folders (Orbax gives each item one)."""
         step = self.latest_step() if step is None else step
         if step is None or step not in self._manager.all_steps():
             raise FileNotFoundError(
                 f"no checkpoint {'' if step is None else step} in {self.directory}"
             )
-        folders = [f for f in (self.directory / str(step)).iterdir() if f.is_dir()]
-        return {
-            f.name: _signatures(ocp.StandardCheckpointHandler().metadata(f).tree)
-            for f in sorted(folders)
-            if f.name != META_ITEM
-        }
+        folders = sorted(f for f in (self.directory / str(step)).iterdir() if f.is_dir())
+        return step, {f.name: f for f in folders if f.name != META_ITEM}
+
+    def contents(self, step: int | None = None) -> dict[str, dict[str, Signature]]:
+        """What checkpoint ``step`` holds: see :func:`checkpoint_contents`."""
+        return {name: _saved(folder) for name, folder in self._item_folders(step)[1].items()}
 
     def restore(
         self, templates: Mapping[str, Any], step: int | None = None
@@ -194,17 +199,16 @@ class CheckpointStore:
         a pytree of arrays, such as the freshly initialised state). FileNotFoundError if there
         is no checkpoint; ValueError if an item is absent or does not fit its template, naming
         the arrays missing, unexpected or of another dtype or shape."""
-        step = self.latest_step() if step is None else step
-        contents = self.contents(step)
-        absent = [name for name in templates if name not in contents]
+        step, held = self._item_folders(step)  # only the items asked for are read
+        absent = [name for name in templates if name not in held]
         if absent:
             raise ValueError(
                 f"checkpoint {step} in {self.directory} holds no item {', '.join(absent)} (it "
-                f"holds {', '.join(contents)})"
+                f"holds {', '.join(held)})"
             )
         trees = {name: _as_tree(template) for name, template in templates.items()}
         for name, tree in trees.items():
-            misfits = _misfits(contents[name], _signatures(tree))
+            misfits = _misfits(_saved(held[name]), _signatures(tree))
             if misfits:
                 raise ValueError(
                     f"checkpoint {step} in {self.directory}: item {name!r} does not fit, it was "
@@ -224,9 +228,6 @@ class CheckpointStore:
 
     def close(self) -> None:
         self._manager.close()
-
-    def __enter__(self) -> CheckpointStore:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
