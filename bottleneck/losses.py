@@ -370,6 +370,7 @@ def chunked_cross_entropy(
     buffers_per_element: float = 4.0,
     token_constants: Any = None,
     data_axis: str | None = None,
+    prepare: Callable[[Any], Any] | None = None,
 ) -> jax.Array:
     r"""Mean NLL of an output head, computed in token chunks so peak memory stays bounded.
 
@@ -415,6 +416,11 @@ def chunked_cross_entropy(
       token_constants: optional pytree of per-token arrays ``[..., ...]`` (leading shape that of
         ``labels``) chunked alongside ``hidden`` but not differentiated, e.g. dropout masks.
       data_axis: inside ``shard_map``, the mesh axis the tokens are split over.
+      prepare: optional differentiable map of ``params``, applied once per call outside the
+        chunk loop; ``token_log_probs`` then receives ``prepare(params)``. For what every
+        chunk would otherwise derive from the parameters again, e.g. a decoder's rows gathered
+        into blocks: the gradients accumulate in the prepared layout and flow back through
+        ``prepare`` once (one scatter per call, not one per chunk).
 
     Returns:
       Scalar mean NLL (float32), equal to ``cross_entropy(log_probs, labels, where)``.
@@ -474,7 +480,15 @@ def chunked_cross_entropy(
         hidden_flat, labels_flat, weights = pad(hidden_flat), pad(labels_flat), pad(weights)
         constants_flat = jax.tree.map(pad, constants_flat)
     loss = _fused_weighted_nll(
-        token_log_probs, chunk, data_axis, params, hidden_flat, labels_flat, weights, constants_flat
+        token_log_probs,
+        chunk,
+        data_axis,
+        prepare,
+        params,
+        hidden_flat,
+        labels_flat,
+        weights,
+        constants_flat,
     )
     return nan_unless(num_invalid == 0, loss)
 
@@ -505,10 +519,13 @@ def _psum(x: jax.Array, axis: str | None) -> jax.Array:
     return x if axis is None else jax.lax.psum(x, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _fused_weighted_nll(
-    token_log_probs, chunk, data_axis, params, hidden, labels, weights, constants
+    token_log_probs, chunk, data_axis, prepare, params, hidden, labels, weights, constants
 ):
+    if prepare is not None:
+        params = prepare(params)
+
     def chunk_loss(xs):
         h, y, w, c = xs
         return -jnp.sum(w * _call(token_log_probs, params, h, y, c))
@@ -522,13 +539,15 @@ def _fused_weighted_nll(
 
 
 def _fused_weighted_nll_fwd(
-    token_log_probs, chunk, data_axis, params, hidden, labels, weights, constants
+    token_log_probs, chunk, data_axis, prepare, params, hidden, labels, weights, constants
 ):
     # Parameters replicated over the data axis are marked as varying, so each shard's gradient
     # stays its own partial sum through the chunk loop; one psum at the end combines them.
     local_params = params
     if data_axis is not None:
         local_params = jax.tree.map(lambda p: mark_varying(p, (data_axis,)), params)
+    if prepare is not None:
+        local_params, pull_back = jax.vjp(prepare, local_params)
 
     def value_and_grads(h, y, w, c):
         def weighted_nll(p, h):
@@ -565,13 +584,17 @@ def _fused_weighted_nll_fwd(
         num_chunks = -(-hidden.shape[0] // chunk)
         (grad_params, grad_hidden), losses = jax.lax.scan(step, init, jnp.arange(num_chunks))
         loss = jnp.sum(losses)
+    if prepare is not None:
+        (grad_params,) = pull_back(
+            jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grad_params, local_params)
+        )
     grad_params = jax.tree.map(
         lambda g, p: reduce_like(g, p).astype(jnp.result_type(p)), grad_params, params
     )
     return _psum(loss, data_axis), (grad_params, grad_hidden)
 
 
-def _fused_weighted_nll_bwd(token_log_probs, chunk, data_axis, residuals, cotangent):
+def _fused_weighted_nll_bwd(token_log_probs, chunk, data_axis, prepare, residuals, cotangent):
     grad_params, grad_hidden = residuals
     scale = cotangent.astype(jnp.float32)
     return (

@@ -151,6 +151,47 @@ def test_chunked_cross_entropy_out_of_range_labels(bad, memory_budget):
         assert bool(jnp.all(jnp.isnan(grads[1][2])))  # the bad token's hidden state
 
 
+@pytest.mark.parametrize("memory_budget", [2**30, 100], ids=["one_chunk", "many_chunks"])
+def test_chunked_cross_entropy_prepare_runs_once_and_carries_the_gradients(memory_budget):
+    """``prepare`` (here: the decoder's columns gathered in another order, twice each) is
+    applied to the parameters once per call, and the loss and every gradient are those of the
+    plain loss: the gradients reach the parameters back through ``prepare``."""
+    keys = jax.random.split(jax.random.key(11), 3)
+    params = {"w": jax.random.normal(keys[0], (3, 5)), "scale": jnp.float32(1.5)}
+    h = jax.random.normal(keys[1], (9, 3))
+    labels = jax.random.randint(keys[2], (9,), 0, 5)
+    where = jnp.arange(9) % 4 != 1
+    order = jnp.array([3, 0, 4, 1, 2])
+    position = jnp.argsort(order)  # where each column sits in the prepared layout
+    calls = []
+
+    def prepare(params):
+        calls.append(1)
+        return {**params, "w": params["w"][:, order], "w_again": params["w"][:, order]}
+
+    def prepared_log_probs(prepared, h, labels):
+        w = (prepared["w"] + prepared["w_again"]) / 2  # each prepared copy gets half
+        return target_log_probs(prepared["scale"] * h @ w, position[labels])
+
+    def plain_log_probs(params, h, labels):
+        return target_log_probs(params["scale"] * h @ params["w"], labels)
+
+    def loss(params, h, prepare_fn, log_probs):
+        return chunked_cross_entropy(
+            log_probs, params, h, labels, where, vocab_size=5, elements_per_token=5,
+            memory_budget=memory_budget, prepare=prepare_fn,
+        )  # fmt: skip
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+    want, want_grads = grad(params, h, None, plain_log_probs)
+    got, got_grads = grad(params, h, prepare, prepared_log_probs)
+    assert len(calls) == 1
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(loss(params, h, prepare, prepared_log_probs), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("axis", [0, 1, -2, 2])
 def test_cross_entropy_vocabulary_on_any_axis(axis):
     log_probs = bn.log_softmax(jax.random.normal(jax.random.key(8), (3, 4, 6)))

@@ -463,14 +463,16 @@ class OutputHead(nnx.Module):
         *,
         vocab: VocabShard,
         reverse_only: bool = False,
+        tables: Any = None,
     ) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
         """What :meth:`token_log_probs` normalizes: the labels' log-scores and every column's.
 
         Returns the labels' log-scores ``log g(f(z_y))`` ``[..., K]`` (from their own decoder
         rows, :func:`row_logits`; zero where the label is another device's column), the blocks of log-scores ``[..., K, M_b]`` that together
         hold this device's columns (padding at ``-inf``), and the log prior ``[..., K]``
-        (``None``: one component). ``reverse_only``: see :func:`affine_logits`. A head of
-        another kind (:class:`~bottleneck.nn.MixtapeHead`) overrides this and
+        (``None``: one component). ``reverse_only``: see :func:`affine_logits`. ``tables``:
+        :meth:`loss_tables` (none here). A head of another kind
+        (:class:`~bottleneck.nn.MixtapeHead`) overrides this, :meth:`loss_tables` and
         :meth:`mixture_scores`.
         """
         inputs, log_prior = self.components(h, latent_mask)
@@ -485,6 +487,16 @@ class OutputHead(nnx.Module):
         scores = vocab.mask_padding(self.log_scores(z))
         return label_scores, [scores], log_prior
 
+    @property
+    def has_loss_tables(self) -> bool:
+        """Whether :meth:`loss_tables` gives any (see :class:`~bottleneck.nn.MixtapeHead`)."""
+        return False
+
+    def loss_tables(self, vocab: VocabShard) -> Any:
+        """Arrays :meth:`score_blocks` derives from the parameters, for :meth:`loss` to derive
+        once per call rather than once per chunk (``None``: none)."""
+        return None
+
     def token_log_probs(
         self,
         h: jax.Array,
@@ -493,6 +505,7 @@ class OutputHead(nnx.Module):
         *,
         vocab: VocabShard | None = None,
         reverse_only: bool = False,
+        tables: Any = None,
     ) -> jax.Array:
         r"""``log p(labels | h)`` ``[...]`` from the vocabulary columns ``vocab`` (default: all).
 
@@ -502,12 +515,13 @@ class OutputHead(nnx.Module):
         :func:`~bottleneck.losses.log_partition` over the blocks of :meth:`score_blocks`.
         Labels outside ``[0, M)`` give NaN at their position (value and gradient).
         ``reverse_only``: hand-written gradients that write fewer ``[..., M]`` arrays, for
-        reverse mode only (:meth:`loss` sets it; see :func:`affine_logits`).
+        reverse mode only (:meth:`loss` sets it; see :func:`affine_logits`). ``tables``: this
+        device's :meth:`loss_tables` (derived here when not given).
         """
         vocab = VocabShard(self.vocab_size) if vocab is None else vocab
         check_label_range(labels, vocab.size)
         label_scores, blocks, log_prior = self.score_blocks(
-            h, labels, latent_mask, vocab=vocab, reverse_only=reverse_only
+            h, labels, latent_mask, vocab=vocab, reverse_only=reverse_only, tables=tables
         )
         if vocab.axis is not None:  # the label's column lives on one device
             label_scores = jax.lax.psum(label_scores, vocab.axis)
@@ -586,10 +600,17 @@ class OutputHead(nnx.Module):
 
         def local(head, h, labels, where, constants, *, vocab, data_axis, devices):
             graphdef, state = nnx.split(head)
+            derived = head.has_loss_tables
 
-            def token_log_probs(state, h, labels, constants=None):
+            def with_tables(state):
+                return state, nnx.merge(graphdef, state).loss_tables(vocab)
+
+            def token_log_probs(prepared, h, labels, constants=None):
+                state, tables = prepared if derived else (prepared, None)
                 head = nnx.merge(graphdef, state)
-                return head.token_log_probs(h, labels, constants, vocab=vocab, reverse_only=True)
+                return head.token_log_probs(
+                    h, labels, constants, vocab=vocab, reverse_only=True, tables=tables
+                )
 
             shards = 1 if vocab.axis is None else jax.lax.axis_size(vocab.axis)
             return chunked_cross_entropy(
@@ -606,6 +627,7 @@ class OutputHead(nnx.Module):
                 memory_budget=max(head.memory_budget // devices, 1),
                 buffers_per_element=buffers,
                 data_axis=data_axis,
+                prepare=with_tables if derived else None,
             )
 
         return run_on_mesh(

@@ -218,14 +218,19 @@ class MixtapeHead(OutputHead):
         :meth:`log_gates` turns them into log gate priors. ``columns`` (local row indices,
         out-of-range ones read as zero rows) picks the frequent tokens.
         """
-        lead, g = h.shape[:-1], self.num_gates
-        projected = jnp.tanh(self.gate_projection(h))
-        projected = projected.reshape(*lead, g, self.gate_features)
-        context = self.gate_context(h).astype(projected.dtype)[..., None]  # [..., G, 1]
         embedding, bias = self.gate_embedding[...], self.gate_bias[...]
         if columns is not None:
             embedding = jnp.take(embedding, columns, axis=0, mode="fill", fill_value=0)
             bias = jnp.take(bias, columns, axis=0, mode="fill", fill_value=0)
+        return self._pre_activations(h, embedding, bias)
+
+    def _pre_activations(self, h: jax.Array, embedding: jax.Array, bias: jax.Array) -> jax.Array:
+        """:meth:`gate_pre_activations` of the columns whose gate rows are ``embedding [n, d_2]``
+        and ``bias [n, G]``."""
+        lead, g = h.shape[:-1], self.num_gates
+        projected = jnp.tanh(self.gate_projection(h))
+        projected = projected.reshape(*lead, g, self.gate_features)
+        context = self.gate_context(h).astype(projected.dtype)[..., None]  # [..., G, 1]
         # One product with the context term and the bias folded in (a column of ones against
         # u_j^T g, an identity picking b_{x,j}): the [..., G, M] pre-activations are written
         # once, not added to twice, and the sums of their gradient over tokens (for b) and
@@ -236,24 +241,54 @@ class MixtapeHead(OutputHead):
         right = jnp.concatenate([embedding, ones, bias.astype(embedding.dtype)], axis=-1)
         return jnp.einsum("...gd,md->...gm", left, right, preferred_element_type=jnp.float32)
 
-    def label_gate_pre_activations(self, h: jax.Array, rows: jax.Array) -> jax.Array:
+    def label_gate_pre_activations(
+        self, h: jax.Array, rows: jax.Array, tables: GateTables | None = None
+    ) -> jax.Array:
         """Gate pre-activations ``[..., G]`` of one column per token (local ``rows`` ``[...]``).
 
         :meth:`gate_pre_activations` for each token's own column only: ``[..., d_2]`` rows of
-        the gate embedding, not a ``[..., G, M]`` array.
+        the gate embedding, not a ``[..., G, M]`` array. With ``tables`` (:meth:`loss_tables`)
+        ``rows`` index its frequent tokens' gate rows instead.
         """
         lead, g = h.shape[:-1], self.num_gates
+        embedding, bias = self.gate_embedding[...], self.gate_bias[...]
+        if tables is not None:
+            embedding, bias = tables.gate_embedding, tables.gate_bias
+        take = lambda x: jnp.take(x, rows, axis=0)  # noqa: E731
         projected = jnp.tanh(self.gate_projection(h)).reshape(*lead, g, self.gate_features)
-        embedding = jnp.take(self.gate_embedding[...], rows, axis=0)
         pre = jnp.einsum(
-            "...gd,...d->...g", projected, embedding, preferred_element_type=jnp.float32
+            "...gd,...d->...g", projected, take(embedding), preferred_element_type=jnp.float32
         )
-        bias = jnp.take(self.gate_bias[...], rows, axis=0).astype(jnp.float32)
+        bias = take(bias).astype(jnp.float32)
         return pre + self.gate_context(h).astype(jnp.float32) + bias
 
     def shared_gate_pre_activations(self, h: jax.Array) -> jax.Array:
         """The shared gate's pre-activations ``l_{*,j} = u_j^T g + b_{*,j}`` ``[..., G]``."""
         return self.gate_context(h).astype(jnp.float32) + self.shared_gate_bias[...]
+
+    @property
+    def has_loss_tables(self) -> bool:
+        """A gate-sharing mixture's loss reads its rows from :meth:`loss_tables`."""
+        return self.is_mixture and self.shares_gates
+
+    def loss_tables(self, vocab: VocabShard) -> GateTables | None:
+        """With gate sharing, the rows the loss reads, gathered once per call (not per chunk).
+
+        The decoder's rows (and bias) in the order frequent tokens then shared-gate tokens,
+        so that each block of :meth:`score_blocks` is a slice, and the frequent tokens' gate
+        rows; the gradients reach the parameters through one scatter per call.
+        """
+        if not self.has_loss_tables:
+            return None
+        columns = self._gate_columns(vocab, self.decoder.shape[0])
+        order = jnp.concatenate([columns.frequent, columns.shared])
+        take = lambda x, rows: jnp.take(x, rows, axis=0, mode="fill", fill_value=0)  # noqa: E731
+        return GateTables(
+            decoder=take(self.decoder[...], order),
+            bias=None if self.bias is None else take(self.bias[...], order),
+            gate_embedding=take(self.gate_embedding[...], columns.frequent),
+            gate_bias=take(self.gate_bias[...], columns.frequent),
+        )
 
     def score_blocks(
         self,
@@ -263,6 +298,7 @@ class MixtapeHead(OutputHead):
         *,
         vocab: VocabShard,
         reverse_only: bool = False,
+        tables: GateTables | None = None,
     ) -> tuple[jax.Array, list[jax.Array], None]:
         r"""The labels' gated log-scores ``[..., 1]`` and every column's, in blocks ``[..., 1, M_b]``.
 
@@ -270,47 +306,53 @@ class MixtapeHead(OutputHead):
         from them. With gate sharing the label's comes from its own rows (decoder, gate
         embedding, gate bias), and the columns come in two blocks that are never put together into
         ``[..., M]``: the frequent tokens' own gated logits ``[..., F]`` and the shared-gate
-        tokens' single product ``(\sum_k \pi_{*,k} h_k)^T w_x + b_x`` ``[..., M - F]``.
+        tokens' single product ``(\sum_k \pi_{*,k} h_k)^T w_x + b_x`` ``[..., M - F]``, every
+        row read from ``tables`` (:meth:`loss_tables`; gathered here when not given).
         """
         if not self.is_mixture:
             return super().score_blocks(
                 h, labels, latent_mask, vocab=vocab, reverse_only=reverse_only
             )
         latents, _ = self.components(h, latent_mask)  # [..., K, d']
-        decoder = self.decoder[...]
-        bias = None if self.bias is None else self.bias[...]
-        rows, in_shard = vocab.local_labels(labels, decoder.shape[0])
+        rows, in_shard = vocab.local_labels(labels, self.decoder.shape[0])
         if not self.shares_gates:
             # Every column's gated logit is written anyway: the label's is picked from them.
-            z = self.gated(latents, decoder, self.gate_pre_activations(h))
-            if bias is not None:
-                z = z + bias.astype(jnp.float32)
+            z = self.gated(latents, self.decoder[...], self.gate_pre_activations(h))
+            if self.bias is not None:
+                z = z + self.bias[...].astype(jnp.float32)
             scores = vocab.mask_padding(self.log_scores(z))
             label = jnp.take_along_axis(scores, rows[..., None], axis=-1)
             return jnp.where(in_shard[..., None], label, 0.0), [scores[..., None, :]], None
-        columns = self._gate_columns(vocab, decoder.shape[0])
-        own_gate = jnp.take(columns.own_gate, rows)
-        pre = jnp.where(
-            own_gate[..., None],
-            self.label_gate_pre_activations(h, rows),
-            self.shared_gate_pre_activations(h),
-        )
-        z = row_logits(latents, decoder, rows)
+        columns = self._gate_columns(vocab, self.decoder.shape[0])
+        tables = self.loss_tables(vocab) if tables is None else tables
+        split = columns.frequent.shape[0]
+        pre = self.shared_gate_pre_activations(h)
+        if split:  # (every label shares the gate when no token has its own)
+            pre = jnp.where(
+                jnp.take(columns.own_gate, rows)[..., None],
+                self.label_gate_pre_activations(
+                    h, jnp.take(columns.frequent_position, rows), tables
+                ),
+                pre,
+            )
+        position = jnp.take(columns.position, rows)
+        z = row_logits(latents, tables.decoder, position)
         z_label = self.mix(z[..., None], pre[..., None])[..., 0]
-        if bias is not None:
-            z_label = z_label + jnp.take(bias, rows).astype(jnp.float32)
+        if tables.bias is not None:
+            z_label = z_label + jnp.take(tables.bias, position).astype(jnp.float32)
         label_scores = jnp.where(in_shard, self.log_scores(z_label), 0.0)[..., None]
-        frequent, shared = columns.frequent, columns.shared
+        bias = (None, None) if tables.bias is None else (tables.bias[:split], tables.bias[split:])
         own = self.gated(
-            latents, jnp.take(decoder, frequent, axis=0, mode="fill", fill_value=0),
-            self.gate_pre_activations(h, frequent),
-        )  # fmt: skip
-        if bias is not None:
-            own = own + jnp.take(bias, frequent, mode="fill", fill_value=0).astype(jnp.float32)
+            latents,
+            tables.decoder[:split],
+            self._pre_activations(h, tables.gate_embedding, tables.gate_bias),
+        )
+        if bias[0] is not None:
+            own = own + bias[0].astype(jnp.float32)
         common = affine_logits(
             self.shared_mixture(h, latents),
-            jnp.take(decoder, shared, axis=0, mode="fill", fill_value=0),
-            None if bias is None else jnp.take(bias, shared, mode="fill", fill_value=0),
+            tables.decoder[split:],
+            bias[1],
             reverse_only=reverse_only,
         )
         blocks = [
@@ -403,6 +445,8 @@ class MixtapeHead(OutputHead):
             shared=select(shared),
             shared_real=None if vocab.axis is None else select(shared < own.shape[1]),
             own_gate=select(own),
+            position=select(_positions(np.concatenate([frequent, shared], axis=1), own.shape[1])),
+            frequent_position=select(_positions(frequent, own.shape[1])),
         )
 
 
@@ -410,7 +454,9 @@ class GateColumns(NamedTuple):
     """One device's columns under gate sharing: local indices, padded with an out-of-range row.
 
     ``*_real`` mark the entries that are columns (``None``: all are); ``own_gate`` ``[rows]``
-    whether each local row has its own gate.
+    whether each local row has its own gate; ``position`` ``[rows]`` each row's place in
+    ``frequent`` then ``shared`` (the order of :class:`GateTables`), ``frequent_position``
+    ``[rows]`` its place in ``frequent`` (0 for a shared-gate row).
     """
 
     frequent: jax.Array
@@ -418,6 +464,32 @@ class GateColumns(NamedTuple):
     shared: jax.Array
     shared_real: jax.Array | None
     own_gate: jax.Array
+    position: jax.Array
+    frequent_position: jax.Array
+
+
+class GateTables(NamedTuple):
+    """The rows a gate-sharing loss reads (:meth:`MixtapeHead.loss_tables`), one device's.
+
+    ``decoder`` ``[F + S, d']`` and ``bias`` ``[F + S]`` (``None``: no bias) in the order of
+    the frequent then the shared-gate columns, ``gate_embedding`` ``[F, d_2]`` and
+    ``gate_bias`` ``[F, G]`` of the frequent columns (padding: zero rows).
+    """
+
+    decoder: jax.Array
+    bias: jax.Array | None
+    gate_embedding: jax.Array
+    gate_bias: jax.Array
+
+
+def _positions(order: np.ndarray, rows: int) -> np.ndarray:
+    """Per shard, each of ``rows`` local rows' index in its row of ``order`` ``[shards, n]``
+    (entries ``>= rows`` are padding; a row absent from ``order`` gets 0)."""
+    positions = np.zeros((order.shape[0], rows), np.int32)
+    for shard, entries in enumerate(order):
+        real = entries < rows
+        positions[shard, entries[real]] = np.flatnonzero(real)
+    return positions
 
 
 def _padded_rows(rows: list[np.ndarray], fill: int) -> np.ndarray:
