@@ -38,10 +38,10 @@ improved validation by less than 0.5% in all (the study's stopping rule: a cell 
 converged may still improve a little each epoch, not a converged model). The best-validation model is evaluated. No head is
 tuned on its own.
 
-    python experiments/lm_study.py smoke --out_dir /tmp/study    # seconds, fixtures
+    python experiments/lm_study.py smoke --out_dir /tmp/study  # seconds, fixtures
     python experiments/lm_study.py             # the default grid (PTB downloaded; --data_dir DIR)
-    python experiments/lm_study.py control                       # the negative control
-    python experiments/lm_study.py awd-2epoch                    # the AWD-LSTM grid
+    python experiments/lm_study.py control                     # the negative control
+    python experiments/lm_study.py awd-2epoch                  # the AWD-LSTM grid
 
 Resumable. Every cell is a language-model run folder under ``OUT_DIR/cells/`` with its own
 checkpoints: rerunning the command skips finished cells and resumes an unfinished one where it
