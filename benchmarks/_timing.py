@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -18,7 +19,11 @@ from typing import Any
 
 import jax
 
+import bottleneck
 from bottleneck.runs import code_commit, results_page, rows
+
+# The checkout these scripts belong to.
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def time_interleaved(
@@ -99,15 +104,29 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines) + "\n"
 
 
-def write_results(path: str | Path, payload: Mapping[str, Any], markdown: str) -> None:
+def write_results(
+    path: str | Path, payload: Mapping[str, Any], markdown: str, *, commit: str | None = None
+) -> None:
     """Writes ``payload`` as indented JSON to ``path`` and ``markdown`` beside it (``.md``).
 
     The JSON records the code's commit; the Markdown becomes a results page
     (:func:`bottleneck.train.results_page`: command, commit and machine under the title), its
     title the first line of ``markdown`` when that is a ``# `` heading, else the file's name.
+    ``commit``: the measured code's, where this process did not run it (worker processes of
+    another checkout); by default the commit of the ``bottleneck`` this process imported, which
+    a warning names when it is not this script's checkout (an editable install of another
+    checkout comes first on ``sys.path``: set ``PYTHONPATH`` to this checkout's root).
     """
     path = Path(path)
-    commit = code_commit()
+    if commit is None:
+        commit = code_commit()
+        library = Path(bottleneck.__file__).resolve().parents[1]
+        if library != CHECKOUT:
+            print(
+                f"warning: this ran the bottleneck of {library} ({commit}), not of {CHECKOUT}: "
+                f"the page names that code; PYTHONPATH={CHECKOUT} times this checkout's",
+                file=sys.stderr,
+            )
     rows.write_json(path, {**payload, "commit": commit})
     first, _, rest = markdown.partition("\n")
     title, body = (

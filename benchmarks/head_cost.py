@@ -245,7 +245,10 @@ def main() -> None:
         parser.error(f"--baseline {args.baseline} has no bottleneck/ package")
     result = run(args)
     text = markdown(result)
-    write_results(args.out, {**result, "machine": machine_info()}, text)
+    # The workers ran the code; this process's bottleneck may be another checkout's.
+    write_results(
+        args.out, {**result, "machine": machine_info()}, text, commit=result["commits"]["now"]
+    )
     print(text)
 
 
