@@ -18,6 +18,7 @@ from flax import nnx
 
 import bottleneck as bn
 from bottleneck import nn
+from bottleneck.losses import chunk_size_for_budget
 from bottleneck.nn import Transformer
 from bottleneck.nn.transformer import (
     TransformerLanguageModel,
@@ -372,6 +373,32 @@ def test_the_fixed_trunks_head_keeps_its_bottleneck(head):
     model = build(head=head, head_features=d, embedding_features=D, **options)
     assert model.head.decoder.table is model.embedding.embedding
     check_the_bottleneck(model, head, d)
+
+
+def test_the_fixed_trunks_mixtape_with_shared_gates_has_the_exact_chunked_loss():
+    """The study's Mixtape: shared gates decoding W = E Q. Its loss reads the decoder's rows
+    gathered once per call (``loss_tables``); in many chunks, the loss and every gradient (E's
+    and Q's through the product) equal the cross-entropy of the full log-probabilities."""
+    counts = (np.arange(V) * 7) % 5  # 9 of 24 words keep their own gate, in no order of id
+    model = build(
+        head="mixtape", head_features=4, embedding_features=D, num_components=4,
+        token_counts=counts, shared_gate_below=3, memory_budget=300,
+    )  # fmt: skip
+    h = jax.random.normal(jax.random.key(0), (2, 9, 4))
+    labels = jax.random.randint(jax.random.key(1), (2, 9), 0, V)
+    graphdef, state = nnx.split(model.head)
+    assert model.head.has_loss_tables
+    assert chunk_size_for_budget(18, model.head.elements_per_token, 300) < 18  # chunks
+
+    def value_and_grads(loss):
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, h)
+
+    chunked, chunked_grads = value_and_grads(lambda s, h: nnx.merge(graphdef, s).loss(h, labels))
+    full, full_grads = value_and_grads(
+        lambda s, h: bn.cross_entropy(nnx.merge(graphdef, s)(h), labels)
+    )
+    np.testing.assert_allclose(chunked, full, rtol=1e-6)
+    chex.assert_trees_all_close(chunked_grads, full_grads, rtol=1e-5, atol=1e-6)
 
 
 def test_the_fixed_trunks_decoder_is_e_q_and_both_train():
