@@ -280,7 +280,10 @@ class MixtapeHead(OutputHead):
         """
         if not self.has_loss_tables:
             return None
-        columns = self._gate_columns(vocab, self.decoder.shape[0])
+        return self._tables(self._gate_columns(vocab, self.decoder.shape[0]))
+
+    def _tables(self, columns: GateColumns) -> GateTables:
+        """:meth:`loss_tables` of this device's ``columns``."""
         order = jnp.concatenate([columns.frequent, columns.shared])
         take = lambda x, rows: jnp.take(x, rows, axis=0, mode="fill", fill_value=0)  # noqa: E731
         return GateTables(
@@ -324,7 +327,7 @@ class MixtapeHead(OutputHead):
             label = jnp.take_along_axis(scores, rows[..., None], axis=-1)
             return jnp.where(in_shard[..., None], label, 0.0), [scores[..., None, :]], None
         columns = self._gate_columns(vocab, self.decoder.shape[0])
-        tables = self.loss_tables(vocab) if tables is None else tables
+        tables = self._tables(columns) if tables is None else tables
         split = columns.frequent.shape[0]
         pre = self.shared_gate_pre_activations(h)
         if split:  # (every label shares the gate when no token has its own)
@@ -341,18 +344,17 @@ class MixtapeHead(OutputHead):
         if tables.bias is not None:
             z_label = z_label + jnp.take(tables.bias, position).astype(jnp.float32)
         label_scores = jnp.where(in_shard, self.log_scores(z_label), 0.0)[..., None]
-        bias = (None, None) if tables.bias is None else (tables.bias[:split], tables.bias[split:])
         own = self.gated(
             latents,
             tables.decoder[:split],
             self._pre_activations(h, tables.gate_embedding, tables.gate_bias),
         )
-        if bias[0] is not None:
-            own = own + bias[0].astype(jnp.float32)
+        if tables.bias is not None:
+            own = own + tables.bias[:split].astype(jnp.float32)
         common = affine_logits(
             self.shared_mixture(h, latents),
             tables.decoder[split:],
-            bias[1],
+            None if tables.bias is None else tables.bias[split:],
             reverse_only=reverse_only,
         )
         blocks = [
