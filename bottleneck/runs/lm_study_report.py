@@ -300,9 +300,11 @@ def _cost_section(table: list[dict[str, Any]], config: Config) -> list[str]:
     return [
         "",
         "Cost: each head's seconds per epoch over softmax's at the same d and seed, the "
-        "median over the paired seeds (smallest–largest). A seed's cells run one after "
-        "another, usually on one machine, so the ratio cancels the machine's speed, which "
-        "the s/epoch column above does not where seeds ran on different machines" + published + ":",
+        "median over the paired seeds (smallest–largest). Where a head's cell and "
+        "softmax's (one d and seed) trained on one machine the ratio cancels the machine's "
+        "speed, which the s/epoch column above does not; the seconds are wall time, so a "
+        "cell that shared its machine with other work reads slower (a step's idle cost is "
+        "in benchmarks/results/study_step*.md)" + published + ":",
         "",
         markdown_table(costs),
     ]
@@ -694,6 +696,11 @@ def _trend_row(t: dict[str, Any]) -> dict[str, Any]:
 def _trend_caveat(table: list[dict[str, Any]], config: Config) -> str:
     if config.trunk.model.family != "transformer":
         return "d also widens the LSTM's last layer and the embedding, not the head alone."
+    if config.embedding == "fixed":
+        return (
+            "The trunk is the same at every d (above), so the trend is that of the head's "
+            "input width, on one recipe: the learning rate and dropout chosen once for all d."
+        )
     return (
         "A trend, not the bottleneck's effect: d also sizes the input embedding (the "
         "factorized trunk above), so the model grows with d as well as the head's input; a "
