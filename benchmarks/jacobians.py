@@ -7,7 +7,7 @@ positions per trained model). Two parts, each interleaved in one process
 (``benchmarks/_timing.py``):
 
 * **Mixtape's gating in both modes.** ``bn.mixtures.sigmoid_tree_gated_logits`` (the fused
-  tree with its custom JVP) against its naive composition, ``gated_logits`` of
+  tree, one sigmoid per gate) against its naive composition, ``gated_logits`` of
   ``sigmoid_tree_log_weights`` by plain autodiff, with the component logits and gate
   pre-activations linear in ``h`` as in the head (``K = 4``, ``M = 10,000``): the Jacobian of
   the gated logits at ``--positions`` hidden states (forward mode, what the diagnostic does),

@@ -194,7 +194,7 @@ def test_sigmoid_tree_gated_logits_match_the_path_products(num_leaves):
 
 
 def test_sigmoid_tree_gated_logits_gradients_in_both_modes():
-    """The custom JVP against autodiff of the composition (weights, then gated_logits), in
+    """The fused tree against autodiff of the composition (weights, then gated_logits), in
     reverse mode (grad) and forward mode (jacfwd, which Mixtape's Jacobian diagnostics use)."""
     k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
     z = 3.0 * jax.random.normal(k1, (6, 8, 7))

@@ -37,6 +37,7 @@ from bottleneck.mixtures import (
     gated_logits,
     sigmoid_tree_gated_logits,
     sigmoid_tree_log_weights,
+    sigmoid_tree_mix,
 )
 from bottleneck.nn.heads import (
     OutputHead,
@@ -49,14 +50,16 @@ from bottleneck.sharding import VOCAB, VocabShard, axis_size, context_mesh, voca
 
 GATES = ("sigmoid_tree", "softmax")
 # Float32 buffers per component logit (K per token with its own gate) that a chunk keeps live at
-# the peak of its value and gradient: the component logits and the gates' pre-activations, the
-# sigmoid tree's leaf weights and gate slopes (sigmoid_tree_gated_logits' derivative) and the
-# gradients of the logits and pre-activations. The gated logits [C, M] add the head's
-# HEAD_BUFFERS_PER_LOGIT and the pieces' own. Calibrated with compiled.memory_analysis() on
-# XLA:CPU at d = 256, M = 32768, K = 4: tests/nn/test_heads.py and tests/nn/test_mixtape.py
-# check that doubling the budget raises the temporaries by 0.5-1.1x the extra budget, without
-# gate sharing and with 1%, 10% and 50% frequent tokens.
-MIXTAPE_BUFFERS_PER_LOGIT = 4.5
+# the peak of its value and gradient, beyond the gated logits' (the head's
+# HEAD_BUFFERS_PER_LOGIT and the pieces' own), per gate. The sigmoid tree: the component logits
+# and gate pre-activations, each its own [C, M] product, and the tree's saved sigmoids,
+# differences and gradients, most of which XLA fuses. The softmax gate: the [C, K, M] logits and
+# log weights, their gradients and the mixture's exponentials. Calibrated with
+# compiled.memory_analysis() on XLA:CPU at d = 256, M = 32768, K = 4, where budgets of 0.25-1 GiB
+# raise the temporaries by 0.6-0.9x the extra budget (XLA reuses more of a small chunk's
+# buffers): tests/nn/test_heads.py and tests/nn/test_mixtape.py check 0.5-1.1x from 128 to
+# 256 MiB for both gates, without gate sharing and with 10% frequent tokens.
+MIXTAPE_BUFFERS_PER_LOGIT = {"sigmoid_tree": 1.6, "softmax": 6.5}
 
 
 class MixtapeHead(OutputHead):
@@ -185,17 +188,18 @@ class MixtapeHead(OutputHead):
 
     @property
     def declared_buffers_per_element(self) -> float | None:
-        """Per element of :attr:`elements_per_token`: ``(b M + 4.5 K F) / elements``.
+        """Per element of :attr:`elements_per_token`: ``(b M + c K F) / elements``.
 
-        ``b``: the head's and its pieces' buffers per gated logit (``M`` per token), ``4.5``
-        (:data:`MIXTAPE_BUFFERS_PER_LOGIT`) per component logit of a token with its own gate
-        (``F = M`` without gate sharing).
+        ``b``: the head's and its pieces' buffers per gated logit (``M`` per token), ``c``
+        (:data:`MIXTAPE_BUFFERS_PER_LOGIT` of the gate) per component logit of a token with its
+        own gate (``F = M`` without gate sharing).
         """
         declared = super().declared_buffers_per_element
         if declared is None or not self.is_mixture:
             return declared
         component_logits = self.num_components * self.num_frequent_columns
-        total = declared * self.vocab_size + MIXTAPE_BUFFERS_PER_LOGIT * component_logits
+        per_logit = MIXTAPE_BUFFERS_PER_LOGIT[self.gate]
+        total = declared * self.vocab_size + per_logit * component_logits
         return total / self.elements_per_token
 
     def log_prior(self, h: jax.Array) -> None:
@@ -239,7 +243,13 @@ class MixtapeHead(OutputHead):
         left = jnp.concatenate([projected, context, selector], axis=-1)
         ones = jnp.ones((embedding.shape[0], 1), embedding.dtype)
         right = jnp.concatenate([embedding, ones, bias.astype(embedding.dtype)], axis=-1)
-        return jnp.einsum("...gd,md->...gm", left, right, preferred_element_type=jnp.float32)
+        # A product per gate, stacked: the sigmoid tree reads each gate's [..., M] back as the
+        # product's own output (see gated).
+        products = [
+            jnp.einsum("...d,md->...m", left[..., j, :], right, preferred_element_type=jnp.float32)
+            for j in range(g)
+        ]
+        return jnp.stack(products, axis=-2)
 
     def label_gate_pre_activations(
         self, h: jax.Array, rows: jax.Array, tables: GateTables | None = None
@@ -388,9 +398,8 @@ class MixtapeHead(OutputHead):
         """Gated logits ``[..., M]`` from ``[..., K, M]`` component logits and ``[..., G, M]`` gates.
 
         The sigmoid tree goes through
-        :func:`~bottleneck.mixtures.sigmoid_tree_gated_logits` (fused, a two-product
-        derivative); the softmax gate through its log weights and
-        :func:`~bottleneck.mixtures.gated_logits`.
+        :func:`~bottleneck.mixtures.sigmoid_tree_gated_logits` (fused: one sigmoid per gate);
+        the softmax gate through its log weights and :func:`~bottleneck.mixtures.gated_logits`.
         """
         if self.gate == "sigmoid_tree":
             return sigmoid_tree_gated_logits(component_logits, pre_activations)
@@ -404,6 +413,15 @@ class MixtapeHead(OutputHead):
         ``latents`` ``[..., K, d']``, ``decoder`` ``[M, d']``, ``pre_activations``
         ``[..., G, M]``; mixed by :meth:`mix`.
         """
+        if self.gate == "sigmoid_tree":
+            # A product per component and the gates as slices, each [..., M], never one
+            # [..., K, M] array: on XLA:CPU the loss (value and gradients) runs 1.2-1.4x faster.
+            z = [
+                jnp.einsum("...d,md->...m", latent, decoder, preferred_element_type=jnp.float32)
+                for latent in jnp.unstack(latents, axis=-2)
+            ]
+            gates = jnp.unstack(pre_activations, axis=-2)
+            return sigmoid_tree_mix(z, gates)
         z = jnp.einsum("...kd,md->...km", latents, decoder, preferred_element_type=jnp.float32)
         return self.mix(z, pre_activations)
 

@@ -219,15 +219,20 @@ def test_loss_needs_under_a_quarter_of_the_full_logits(sharing):
     assert temp < 4096 * 32768 * 4 / 4
 
 
-def test_declared_chunk_cost_with_gate_sharing():
+@pytest.mark.parametrize(
+    "options",
+    [BIG_SHARING, {"gate": "softmax"}, {"gate": "softmax", **BIG_SHARING}],
+    ids=["gate_sharing", "softmax_gate", "softmax_gate_sharing"],
+)
+def test_declared_chunk_cost_with_gate_sharing_and_the_softmax_gate(options):
     """As test_heads.py's test_declared_chunk_costs_are_neither_too_small_nor_wasteful (which
-    covers Mixtape without sharing): raising the budget by B raises the temporaries of
+    covers the sigmoid tree without sharing): raising the budget by B raises the temporaries of
     value_and_grad(loss) at N=4096, d=256, M=32768 by 0.5 B to 1.1 B."""
     large = 128 * 2**20
     temp = {
         budget: loss_temp_bytes(
             lambda budget=budget: nn.make_head(
-                "mixtape", 256, 32768, rngs=nnx.Rngs(0), memory_budget=budget, **BIG_SHARING
+                "mixtape", 256, 32768, rngs=nnx.Rngs(0), memory_budget=budget, **options
             ),
             4096,
         )  # fmt: skip
