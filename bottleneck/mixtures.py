@@ -243,6 +243,13 @@ def sigmoid_tree_mix(
     on XLA:CPU reading and writing the slices of one ``[..., K, M]`` array costs strided
     passes, and Mixtape's loss (value and gradients) ran 1.2-1.4x faster with ``K`` products
     and ``K - 1`` gate products of their own (``benchmarks/head_cost.py``).
+
+    Example:
+      >>> import jax.numpy as jnp, bottleneck as bn
+      >>> z = [jnp.array([1.0]), jnp.array([2.0]), jnp.array([3.0]), jnp.array([4.0])]
+      >>> l = [jnp.array([0.0]), jnp.array([0.0]), jnp.array([0.0])]  # uniform weights 1/4
+      >>> bn.mixtures.sigmoid_tree_mix(z, l).tolist()
+      [2.5]
     """
     values = list(component_logits)
     while len(values) > 1:  # leaves up to the root: level n holds heap nodes n .. 2n - 1
