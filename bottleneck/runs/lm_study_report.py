@@ -260,11 +260,13 @@ def _trend_section(table: list[dict[str, Any]], config: Config) -> list[str]:
         return []
     return [
         "",
-        "The trend with d: each head's least-squares slope of the per-seed gain (in "
-        f"points of %) on log2 d, over its {trends[0]['cells']} cells (d, seed), with "
-        f"its {1 - ALPHA:.0%} t interval (n - 2 degrees of freedom; the seeds of one "
-        "head share their data order across d, so the cells are not quite independent "
-        "and the interval is, if anything, too narrow). " + _trend_caveat(table, config),
+        "The trend with d: each head's change of gain per doubling of d, with the seeds as "
+        "the replicates: each seed's least-squares slope of its gains (in points of %) on "
+        f"log2 d, then their mean over the seeds with its {1 - ALPHA:.0%} t interval and "
+        "p-value (n - 1 degrees of freedom). A seed's cells share its data order at every d "
+        "(with a fixed trunk, its initial trunk too), so the cells are not independent "
+        "replicates: a regression pooled over them would give too narrow an interval where "
+        "the seeds' own slopes differ. " + _trend_caveat(config),
         "",
         markdown_table([_trend_row(t) for t in trends]),
     ]
@@ -672,13 +674,16 @@ def _power_text(tested: list[dict[str, Any]]) -> str:
 
 
 def gain_trends(table: list[dict[str, Any]], config: Config) -> list[dict[str, Any]]:
-    """Each head's :func:`gain_trend` over its paired cells (d, seed); heads with fewer than
-    three cells or a single d are left out."""
+    """Each head's :func:`gain_trend` over its paired cells (d, seed), the seeds as the
+    replicates; heads with fewer than two seeds at two or more d are left out."""
     trends = []
     for head in config.heads:
         entries = [e for e in table if e["head"] == head and "seed_gains_pct" in e]
-        ds = [e["d"] for e in entries for _ in e["seed_gains_pct"]]
-        trend = gain_trend(ds, [g for e in entries for g in e["seed_gains_pct"]])
+        trend = gain_trend(
+            [e["d"] for e in entries for _ in e["seed_gains_pct"]],
+            [g for e in entries for g in e["seed_gains_pct"]],
+            [s for e in entries for s in e["gain_seeds"]],
+        )
         if trend is not None:
             trends.append({"head": head, **trend})
     return trends
@@ -689,11 +694,12 @@ def _trend_row(t: dict[str, Any]) -> dict[str, Any]:
         "head": t["head"],
         "gain per doubling of d (points of %)": f"{t['slope']:+.2f}",
         f"{1 - ALPHA:.0%} CI": _interval_text((t["ci_low"], t["ci_high"])),
-        "cells": t["cells"],
+        "p": f"{t['p']:.3f}",
+        "seeds": t["seeds"],
     }
 
 
-def _trend_caveat(table: list[dict[str, Any]], config: Config) -> str:
+def _trend_caveat(config: Config) -> str:
     if config.trunk.model.family != "transformer":
         return "d also widens the LSTM's last layer and the embedding, not the head alone."
     if config.embedding == "fixed":

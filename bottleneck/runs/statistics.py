@@ -108,25 +108,45 @@ def seeds_needed(
     raise ValueError(f"more than {most} seeds needed for effect {effect} at spread {spread}")
 
 
-def gain_trend(ds: list[int], gains: list[float], alpha: float = ALPHA) -> dict[str, float] | None:
-    """The least-squares slope of ``gains`` on log2 d (the change of a head's gain per doubling
-    of d) with its two-sided ``1 - alpha`` t interval (n - 2 degrees of freedom), over one point
-    per cell (d, seed). The interval treats the cells as independent, which seeds that share a
-    data order across d are not quite. ``None`` below three points or with a single d.
+def gain_trend(
+    ds: list[int], gains: list[float], seeds: list[int], alpha: float = ALPHA
+) -> dict[str, float] | None:
+    """A gain's change per doubling of d, with the seeds as the replicates: each seed's
+    least-squares slope of its gains on log2 d (seeds with at least two distinct d), then the
+    mean of those slopes with its two-sided ``1 - alpha`` t interval and p-value over the seeds
+    (:func:`paired_t`: n_seeds - 1 degrees of freedom).
+
+    One point per cell (d, seed), ``ds``, ``gains`` and ``seeds`` aligned. A seed's cells share
+    its data order (and initial trunk) at every d, so they are not independent replicates; a
+    regression pooled over the cells would count each as one and, where the seeds' own slopes
+    differ, give too narrow an interval. On a complete grid the mean of the seeds' slopes is the
+    pooled slope; only the interval differs. ``None`` below two seeds with a slope.
 
     Example:
-      >>> trend = gain_trend([16, 32, 64], [2.0, 1.0, 0.5])
+      >>> ds, seeds = [16, 32] * 3, [1, 1, 2, 2, 3, 3]
+      >>> trend = gain_trend(ds, [2.0, 1.0, 1.0, 0.5, 2.0, 0.0], seeds)
+      >>> trend["seed_slopes"]  # each seed's gain at d = 32 minus its gain at d = 16
+      [-1.0, -0.5, -2.0]
       >>> round(trend["slope"], 3), round(trend["ci_low"], 2), round(trend["ci_high"], 2)
-      (-0.75, -2.58, 1.08)
+      (-1.167, -3.06, 0.73)
     """
-    x = np.log2(np.asarray(ds, dtype=float))
-    if len(x) < 3 or np.ptp(x) == 0:
+    by_seed: dict[int, list[tuple[float, float]]] = {}
+    for d, gain, seed in zip(ds, gains, seeds, strict=True):
+        by_seed.setdefault(seed, []).append((math.log2(d), gain))
+    slopes = []
+    for seed in sorted(by_seed):
+        x, y = (np.asarray(v, dtype=float) for v in zip(*by_seed[seed], strict=True))
+        if np.ptp(x) > 0:
+            dx = x - x.mean()
+            slopes.append(float(dx @ (y - y.mean()) / (dx @ dx)))
+    t = paired_t(slopes, alpha)
+    if t is None:
         return None
-    fit = stats.linregress(x, np.asarray(gains, dtype=float))
-    half = float(stats.t.ppf(1 - alpha / 2, len(x) - 2)) * fit.stderr
     return {
-        "slope": float(fit.slope),
-        "ci_low": float(fit.slope - half),
-        "ci_high": float(fit.slope + half),
-        "cells": len(x),
+        "slope": t["mean"],
+        "ci_low": t["ci_low"],
+        "ci_high": t["ci_high"],
+        "p": t["p"],
+        "seed_slopes": slopes,
+        "seeds": len(slopes),
     }

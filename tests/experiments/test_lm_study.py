@@ -481,19 +481,27 @@ def test_power_of_the_paired_t_test():
     )
 
 
-def test_gain_trend_is_least_squares_on_log2_d():
-    ds = [16, 16, 32, 32, 64, 64, 128, 128]
-    gains = [2.0, 1.0, 1.5, 0.5, 0.0, -0.5, -1.0, -1.5]
-    trend = paired_stats.gain_trend(ds, gains)
-    x = np.log2(ds)
-    slope, intercept = np.polyfit(x, gains, 1)
-    residuals = np.array(gains) - (slope * x + intercept)
-    stderr = np.sqrt(residuals @ residuals / (len(x) - 2) / np.sum((x - x.mean()) ** 2))
-    half = stats.t.ppf(0.975, len(x) - 2) * stderr
+def test_gain_trend_is_the_mean_of_each_seeds_slope_on_log2_d():
+    """Seeds are the replicates: each seed's least-squares slope on log2 d (np.polyfit), their
+    mean with a one-sample t interval over the seeds; a seed at one d has no slope."""
+    ds = [16, 32, 64, 128] * 3 + [16]
+    seeds = [1] * 4 + [2] * 4 + [3] * 4 + [4]  # seed 4: one d, no slope
+    gains = [2.0, 1.0, 0.0, -1.0, 1.0, 1.5, 0.5, -0.5, 0.5, 0.0, 0.5, -2.0, 9.0]
+    trend = paired_stats.gain_trend(ds, gains, seeds)
+    slopes = [np.polyfit(np.log2(ds[i : i + 4]), gains[i : i + 4], 1)[0] for i in (0, 4, 8)]
+    half = stats.t.ppf(0.975, 2) * np.std(slopes, ddof=1) / np.sqrt(3)
+    np.testing.assert_allclose(trend["seed_slopes"], slopes, rtol=0, atol=1e-12)
     np.testing.assert_allclose(
-        [trend["slope"], trend["ci_low"], trend["ci_high"]], [slope, slope - half, slope + half]
-    )
-    assert trend["cells"] == 8 and paired_stats.gain_trend([16, 16, 16], [1.0, 2.0, 3.0]) is None
+        [trend["slope"], trend["ci_low"], trend["ci_high"], trend["p"]],
+        [np.mean(slopes), np.mean(slopes) - half, np.mean(slopes) + half,
+         stats.ttest_1samp(slopes, 0.0).pvalue],
+        rtol=1e-10,
+    )  # fmt: skip
+    assert trend["seeds"] == 3
+    # On a complete grid the mean slope is the regression pooled over the cells.
+    np.testing.assert_allclose(trend["slope"], np.polyfit(np.log2(ds[:12]), gains[:12], 1)[0])
+    assert paired_stats.gain_trend([16, 16, 16], [1.0, 2.0, 3.0], [1, 2, 3]) is None
+    assert paired_stats.gain_trend([16, 32], [1.0, 2.0], [1, 1]) is None  # one seed
 
 
 def test_report_gives_intervals_holm_power_trend_and_device_crossings():
@@ -531,7 +539,9 @@ def test_report_gives_intervals_holm_power_trend_and_device_crossings():
     spread = np.median([e["gain_pct_std"] for e in entries.values()])
     assert f"{paired_stats.detectable_gain(spread, 3):.2f}" in text
     trend = paired_stats.gain_trend(
-        [16] * 3 + [32] * 3, plif16["seed_gains_pct"] + entries[("plif", 32)]["seed_gains_pct"]
+        [16] * 3 + [32] * 3,
+        plif16["seed_gains_pct"] + entries[("plif", 32)]["seed_gains_pct"],
+        [1, 2, 3] * 2,
     )
     assert f"{trend['slope']:+.2f}" in text
     grid = report.gains_by_d(table, config, decimals=1)
