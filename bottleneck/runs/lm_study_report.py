@@ -263,7 +263,8 @@ def _trend_section(table: list[dict[str, Any]], config: Config) -> list[str]:
         "The trend with d: each head's change of gain per doubling of d, with the seeds as "
         "the replicates: each seed's least-squares slope of its gains (in points of %) on "
         f"log2 d, then their mean over the seeds with its {1 - ALPHA:.0%} t interval and "
-        "p-value (n - 1 degrees of freedom). A seed's cells share its data order at every d "
+        "p-value (n - 1 degrees of freedom), the p-value also corrected by Holm over the "
+        f"{len(trends)} heads' trends. A seed's cells share its data order at every d "
         "(with a fixed trunk, its initial trunk too), so the cells are not independent "
         "replicates: a regression pooled over them would give too narrow an interval where "
         "the seeds' own slopes differ. " + _trend_caveat(config),
@@ -675,7 +676,8 @@ def _power_text(tested: list[dict[str, Any]]) -> str:
 
 def gain_trends(table: list[dict[str, Any]], config: Config) -> list[dict[str, Any]]:
     """Each head's :func:`gain_trend` over its paired cells (d, seed), the seeds as the
-    replicates; heads with fewer than two seeds at two or more d are left out."""
+    replicates, with its p-value corrected by Holm over the heads' trends (``p_holm``); heads
+    with fewer than two seeds at two or more d are left out."""
     trends = []
     for head in config.heads:
         entries = [e for e in table if e["head"] == head and "seed_gains_pct" in e]
@@ -686,6 +688,8 @@ def gain_trends(table: list[dict[str, Any]], config: Config) -> list[dict[str, A
         )
         if trend is not None:
             trends.append({"head": head, **trend})
+    for trend, corrected in zip(trends, holm([t["p"] for t in trends]), strict=True):
+        trend["p_holm"] = corrected
     return trends
 
 
@@ -695,6 +699,7 @@ def _trend_row(t: dict[str, Any]) -> dict[str, Any]:
         "gain per doubling of d (points of %)": f"{t['slope']:+.2f}",
         f"{1 - ALPHA:.0%} CI": _interval_text((t["ci_low"], t["ci_high"])),
         "p": f"{t['p']:.3f}",
+        "p (Holm)": f"{t['p_holm']:.3f}",
         "seeds": t["seeds"],
     }
 

@@ -544,6 +544,9 @@ def test_report_gives_intervals_holm_power_trend_and_device_crossings():
         [1, 2, 3] * 2,
     )
     assert f"{trend['slope']:+.2f}" in text
+    trends = report.gain_trends(table, config)  # plif's and mos's, one family for Holm
+    assert [t["head"] for t in trends] == ["plif", "mos"] and trends[0]["slope"] == trend["slope"]
+    assert [t["p_holm"] for t in trends] == paired_stats.holm([t["p"] for t in trends])
     grid = report.gains_by_d(table, config, decimals=1)
     assert grid[2]["d = 32"].endswith("(3/3)†") and not grid[2]["d = 16"].endswith("†")
 
