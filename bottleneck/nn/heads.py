@@ -24,7 +24,8 @@ The pieces live in :mod:`bottleneck.nn.pieces`; the papers' named heads ("softma
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -62,19 +63,35 @@ def affine_logits(
     The bias rides in the product as one more input feature (a column of ones in ``x``
     against ``b`` beside ``W``): the logits are written once, not once by the product and again
     by the addition, and ``b``'s gradient comes out of the product's transpose as one more
-    column of ``W``'s, not from a second pass over ``[..., M]``. ``reverse_only``: the
-    gradients through a hand-written VJP that reads ``dz`` in its one token-major layout (no
-    transposed copy of ``[..., M]``); forward mode cannot go through it (the chunked loss
-    sets it).
+    column of ``W``'s, not from a second pass over ``[..., M]``. ``reverse_only``: see
+    :func:`decoder_products` (the chunked loss sets it).
     """
     if bias is not None:
         x = jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
         decoder = jnp.concatenate([decoder, bias[:, None].astype(decoder.dtype)], axis=-1)
-    if not reverse_only:
-        return jnp.einsum("...d,md->...m", x, decoder, preferred_element_type=jnp.float32)
-    lead = x.shape[:-1]
-    z = _token_major_product(x.reshape(-1, x.shape[-1]), decoder)
-    return z.reshape(*lead, decoder.shape[0])
+    return decoder_products([x], decoder, reverse_only=reverse_only)[0]
+
+
+def decoder_products(
+    xs: Sequence[jax.Array], decoder: jax.Array, *, reverse_only: bool = False
+) -> list[jax.Array]:
+    """``[x W^T for x in xs]``: each ``[..., d']`` against one ``[M, d']``, ``[..., M]`` float32.
+
+    ``reverse_only``: where it saves memory, the gradients through a hand-written VJP (forward
+    mode cannot go through it; the chunked loss sets it). One input: ``dz`` is read in its one
+    token-major layout, with no transposed copy of ``[..., M]``. Several: autodiff would keep
+    each input's share of ``W``'s gradient, a buffer the size of ``W``, until one sum at the end
+    (Mixtape's K components at d = 400 held 48 MB beyond its chunk budget); where those shares
+    outweigh one copy of every ``dz`` (wide inputs, few tokens), the gradient is one product
+    over the ``dz``'s put together.
+    """
+    rows = [math.prod(x.shape[:-1]) for x in xs]
+    # Autodiff's shares: len(xs) [M, d'] buffers; the VJP's: one, and every dz [sum(rows), M].
+    if reverse_only and (len(xs) == 1 or sum(rows) < (len(xs) - 1) * decoder.shape[1]):
+        flat = [x.reshape(n, x.shape[-1]) for x, n in zip(xs, rows, strict=True)]
+        zs = _token_major_products(flat, decoder)
+        return [z.reshape(*x.shape[:-1], decoder.shape[0]) for x, z in zip(xs, zs, strict=True)]
+    return [jnp.einsum("...d,md->...m", x, decoder, preferred_element_type=jnp.float32) for x in xs]
 
 
 def row_logits(x: jax.Array, decoder: jax.Array, rows: jax.Array) -> jax.Array:
@@ -89,28 +106,33 @@ def row_logits(x: jax.Array, decoder: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 @jax.custom_vjp
-def _token_major_product(x: jax.Array, decoder: jax.Array) -> jax.Array:
-    return jnp.einsum("nd,md->nm", x, decoder, preferred_element_type=jnp.float32)
+def _token_major_products(xs: list[jax.Array], decoder: jax.Array) -> list[jax.Array]:
+    return [jnp.einsum("nd,md->nm", x, decoder, preferred_element_type=jnp.float32) for x in xs]
 
 
-def _token_major_product_fwd(x, decoder):
-    return _token_major_product(x, decoder), (x, decoder)
+def _token_major_products_fwd(xs, decoder):
+    return _token_major_products(xs, decoder), (xs, decoder)
 
 
-def _token_major_product_bwd(residuals, dz):
-    # Both gradients read dz [N, M] as it is, token-major: d decoder = (x^T dz)^T with the
+def _token_major_products_bwd(residuals, dzs):
+    # Every gradient reads dz [N, M] as it is, token-major: d decoder = (x^T dz)^T with the
     # small x^T behind a barrier, so that the compiler does not fold the transposes into a
     # dot over dz^T, which it would first write out as a second [M, N] copy of dz.
-    x, decoder = residuals
-    grad_x = jnp.einsum("nm,md->nd", dz, decoder.astype(dz.dtype)).astype(x.dtype)
-    x_t = jax.lax.optimization_barrier(x.T.astype(dz.dtype))
-    grad_decoder = jnp.einsum("dn,nm->dm", x_t, dz).T.astype(decoder.dtype)
+    xs, decoder = residuals
     # On a mesh: x is the same on every vocabulary shard and the decoder on every data shard;
     # each gets the sum of the shards' contributions.
-    return reduce_like(grad_x, x), reduce_like(grad_decoder, decoder)
+    grad_xs = [
+        reduce_like(jnp.einsum("nm,md->nd", dz, decoder.astype(dz.dtype)).astype(x.dtype), x)
+        for x, dz in zip(xs, dzs, strict=True)
+    ]
+    # The inputs' shares of the decoder's gradient in one product (decoder_products).
+    x_t = jnp.concatenate([x.T for x in xs], axis=1).astype(dzs[0].dtype)
+    dz = jnp.concatenate(dzs, axis=0)
+    grad_decoder = jnp.einsum("dn,nm->dm", jax.lax.optimization_barrier(x_t), dz)
+    return grad_xs, reduce_like(grad_decoder.T.astype(decoder.dtype), decoder)
 
 
-_token_major_product.defvjp(_token_major_product_fwd, _token_major_product_bwd)
+_token_major_products.defvjp(_token_major_products_fwd, _token_major_products_bwd)
 
 
 def uniform_init(scale: float) -> Callable[..., jax.Array]:

@@ -42,6 +42,7 @@ from bottleneck.mixtures import (
 from bottleneck.nn.heads import (
     OutputHead,
     affine_logits,
+    decoder_products,
     padded_rows_init,
     row_logits,
     uniform_init,
@@ -215,22 +216,27 @@ class MixtapeHead(OutputHead):
             return jax.nn.log_softmax(pre_activations.astype(jnp.float32), axis=-2)
         return sigmoid_tree_log_weights(pre_activations, axis=-2)
 
-    def gate_pre_activations(self, h: jax.Array, columns: jax.Array | None = None) -> jax.Array:
+    def gate_pre_activations(
+        self, h: jax.Array, columns: jax.Array | None = None, *, reverse_only: bool = False
+    ) -> jax.Array:
         """Gate pre-activations ``[..., G, M_local]`` of this device's columns (or ``columns``).
 
         ``l_{x,j} = v_x^T tanh(U_j g) + u_j^T g + b_{x,j}`` for ``g = h``, in float32;
         :meth:`log_gates` turns them into log gate priors. ``columns`` (local row indices,
-        out-of-range ones read as zero rows) picks the frequent tokens.
+        out-of-range ones read as zero rows) picks the frequent tokens. ``reverse_only``: see
+        :func:`~bottleneck.nn.heads.decoder_products` (the G products).
         """
         embedding, bias = self.gate_embedding[...], self.gate_bias[...]
         if columns is not None:
             embedding = jnp.take(embedding, columns, axis=0, mode="fill", fill_value=0)
             bias = jnp.take(bias, columns, axis=0, mode="fill", fill_value=0)
-        return self._pre_activations(h, embedding, bias)
+        return self._pre_activations(h, embedding, bias, reverse_only=reverse_only)
 
-    def _pre_activations(self, h: jax.Array, embedding: jax.Array, bias: jax.Array) -> jax.Array:
+    def _pre_activations(
+        self, h: jax.Array, embedding: jax.Array, bias: jax.Array, *, reverse_only: bool = False
+    ) -> jax.Array:
         """:meth:`gate_pre_activations` of the columns whose gate rows are ``embedding [n, d_2]``
-        and ``bias [n, G]``."""
+        and ``bias [n, G]``; ``reverse_only``: see :func:`~bottleneck.nn.heads.decoder_products`."""
         lead, g = h.shape[:-1], self.num_gates
         projected = jnp.tanh(self.gate_projection(h))
         projected = projected.reshape(*lead, g, self.gate_features)
@@ -245,10 +251,7 @@ class MixtapeHead(OutputHead):
         right = jnp.concatenate([embedding, ones, bias.astype(embedding.dtype)], axis=-1)
         # A product per gate, stacked: the sigmoid tree reads each gate's [..., M] back as the
         # product's own output (see gated).
-        products = [
-            jnp.einsum("...d,md->...m", left[..., j, :], right, preferred_element_type=jnp.float32)
-            for j in range(g)
-        ]
+        products = decoder_products(jnp.unstack(left, axis=-2), right, reverse_only=reverse_only)
         return jnp.stack(products, axis=-2)
 
     def label_gate_pre_activations(
@@ -330,7 +333,12 @@ class MixtapeHead(OutputHead):
         rows, in_shard = vocab.local_labels(labels, self.decoder.shape[0])
         if not self.shares_gates:
             # Every column's gated logit is written anyway: the label's is picked from them.
-            z = self.gated(latents, self.decoder[...], self.gate_pre_activations(h))
+            z = self.gated(
+                latents,
+                self.decoder[...],
+                self.gate_pre_activations(h, reverse_only=reverse_only),
+                reverse_only=reverse_only,
+            )
             if self.bias is not None:
                 z = z + self.bias[...].astype(jnp.float32)
             scores = vocab.mask_padding(self.log_scores(z))
@@ -357,7 +365,10 @@ class MixtapeHead(OutputHead):
         own = self.gated(
             latents,
             tables.decoder[:split],
-            self._pre_activations(h, tables.gate_embedding, tables.gate_bias),
+            self._pre_activations(
+                h, tables.gate_embedding, tables.gate_bias, reverse_only=reverse_only
+            ),
+            reverse_only=reverse_only,
         )
         if tables.bias is not None:
             own = own + tables.bias[:split].astype(jnp.float32)
@@ -406,20 +417,23 @@ class MixtapeHead(OutputHead):
         return gated_logits(component_logits, self.log_gates(pre_activations))
 
     def gated(
-        self, latents: jax.Array, decoder: jax.Array, pre_activations: jax.Array
+        self,
+        latents: jax.Array,
+        decoder: jax.Array,
+        pre_activations: jax.Array,
+        *,
+        reverse_only: bool = False,
     ) -> jax.Array:
         """``sum_k pi_{x,k} h_k^T w_x`` ``[..., M]`` from the gates' pre-activations.
 
         ``latents`` ``[..., K, d']``, ``decoder`` ``[M, d']``, ``pre_activations``
-        ``[..., G, M]``; mixed by :meth:`mix`.
+        ``[..., G, M]``; mixed by :meth:`mix`. ``reverse_only``: see
+        :func:`~bottleneck.nn.heads.decoder_products` (the sigmoid tree's K products).
         """
         if self.gate == "sigmoid_tree":
             # A product per component and the gates as slices, each [..., M], never one
             # [..., K, M] array: on XLA:CPU the loss (value and gradients) runs 1.2-1.4x faster.
-            z = [
-                jnp.einsum("...d,md->...m", latent, decoder, preferred_element_type=jnp.float32)
-                for latent in jnp.unstack(latents, axis=-2)
-            ]
+            z = decoder_products(jnp.unstack(latents, axis=-2), decoder, reverse_only=reverse_only)
             gates = jnp.unstack(pre_activations, axis=-2)
             return sigmoid_tree_mix(z, gates)
         z = jnp.einsum("...kd,md->...km", latents, decoder, preferred_element_type=jnp.float32)

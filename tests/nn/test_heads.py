@@ -290,6 +290,29 @@ def test_bfloat16_parameters_accumulate_in_float32():
     np.testing.assert_allclose(loss, reference, rtol=1e-5)
 
 
+# Inputs [*lead, width] against one [50, width], through the hand-written VJP: one input (dz
+# read token-major), or three wide ones over few rows (one product over the dz's put together).
+@pytest.mark.parametrize("count, lead, width", [(1, (2, 32), 4), (3, (4,), 64)])
+def test_decoder_products_hand_written_gradients_are_autodiff_s(count, lead, width):
+    keys = jax.random.split(jax.random.key(0), count + 2)
+    xs = [jax.random.normal(key, (*lead, width)) for key in keys[:count]]
+    decoder = jax.random.normal(keys[-2], (50, width))
+    weights = jax.random.normal(keys[-1], (count, *lead, 50))
+
+    def loss(xs, decoder, reverse_only):
+        zs = nn.heads.decoder_products(xs, decoder, reverse_only=reverse_only)
+        return sum(jnp.sum(w * jnp.tanh(z)) for w, z in zip(weights, zs, strict=True))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    hand = jax.make_jaxpr(grads, static_argnums=2)(xs, decoder, True)
+    assert "custom_vjp_call" in str(hand)  # the VJP is the one taken
+    for got, want in zip(jax.tree.leaves(grads(xs, decoder, True)),
+                         jax.tree.leaves(grads(xs, decoder, False)), strict=True):  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    zs = nn.heads.decoder_products(xs, decoder, reverse_only=True)
+    np.testing.assert_allclose(zs[-1], xs[-1] @ decoder.T, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "build, message",
     [
