@@ -234,8 +234,18 @@ def test_readme_language_model_numbers_are_the_reports():
     trends = re.findall(r"(sigsoftmax|PLIF|MoS|Mixtape) (-\d+\.\d+) (\[[^]]+\])", per_doubling)
     assert len(trends) == 4
     for head, slope, interval in trends:
-        row = re.search(rf"\| {head.lower()}\s+\| {slope}\s+\| {re.escape(interval)}", reports)
+        row = re.search(
+            rf"\| {head.lower()}\s+\| {slope}\s+\| {re.escape(interval)}\s+\| [\d.]+\s+\| ([\d.]+)",
+            reports,
+        )
         assert row, (head, slope, interval)
+        # The reading beside it: a fall where the interval excludes 0, "none detectable" where
+        # it spans 0, and "neither after Holm" only while the corrected p is not below 0.05.
+        low, high = (float(v) for v in interval.strip("[]").split(", "))
+        excluded = interval in per_doubling.split("none detectable")[0].split("(neither")[0]
+        assert excluded == (high < 0 or low > 0), (head, interval)
+        if excluded and "neither after Holm" in per_doubling:
+            assert float(row[1]) >= 0.05, (head, row[1])
 
 
 def test_committed_synthetic_results_are_what_the_code_computes(tmp_path):
