@@ -8,6 +8,7 @@ study's report (:mod:`bottleneck.runs.lm_study_report`) applies them to its rows
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from scipy import optimize, stats
@@ -110,7 +111,7 @@ def seeds_needed(
 
 def gain_trend(
     ds: list[int], gains: list[float], seeds: list[int], alpha: float = ALPHA
-) -> dict[str, float] | None:
+) -> dict[str, Any] | None:
     """A gain's change per doubling of d, with the seeds as the replicates: each seed's
     least-squares slope of its gains on log2 d (seeds with at least two distinct d), then the
     mean of those slopes with its two-sided ``1 - alpha`` t interval and p-value over the seeds
