@@ -6,7 +6,10 @@ checkout and, in the same run, with the code of an earlier checkout (``--baselin
 ``git worktree add /tmp/baseline 8931464``). Each code version runs in a worker process of its
 own (a package cannot be imported twice in one process), and the parent interleaves the
 calls: repetition after repetition, every case of every version once, so load drifts hit all
-alike; ratios are medians of per-repetition ratios.
+alike; ratios are medians of per-repetition ratios. ``--runs N`` repeats the whole run with
+fresh worker processes: the same code's times move more between runs than within one (softmax's
+study32 loss took 25 ms in one run and 34 ms in another on the same idle machine), so each value
+is then the median over the runs, with the runs' range beside it.
 
 Shapes: the study's training window (32 x 64 = 2,048 tokens, 10,000 words) at ``d = 32`` and
 128, and Merity et al.'s PTB batch (20 x 70 = 1,400 tokens) at ``d = 400``. Heads: softmax,
@@ -21,7 +24,7 @@ Run from the repository root (about 10 minutes on 2 cores, alone on the machine)
 
     python benchmarks/head_cost.py --baseline /tmp/baseline [--data_dir PTB_DIR]
         [--heads softmax,mixtape_shared] [--shapes study32,study128,merity400] [--repeats 7]
-        [--out benchmarks/results/head_cost.json]
+        [--runs 3] [--out benchmarks/results/head_cost.json]
 """
 
 from __future__ import annotations
@@ -187,6 +190,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+RATIOS = ("x_softmax", "x_baseline", "x_softmax_baseline", "x_mos")
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of :func:`run`, each with fresh workers: per case the median over the runs of each
+    run's times and ratios, and each ratio's range over the runs (``KEY_range``)."""
+    if len(runs) == 1:
+        return {**runs[0], "runs": 1}
+    rows = []
+    for i, row in enumerate(runs[0]["rows"]):
+        merged = dict(row)
+        for key in ("ms", "ms_baseline", *RATIOS):
+            if key in row:
+                values = [run["rows"][i][key] for run in runs]
+                merged[key] = statistics.median(values)
+                if key in RATIOS:
+                    merged[f"{key}_range"] = (min(values), max(values))
+        rows.append(merged)
+    return {
+        **runs[0],
+        "rows": rows,
+        "times_ms": [run["times_ms"] for run in runs],
+        "runs": len(runs),
+    }
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    if key not in row:
+        return "nan"
+    low, high = row.get(f"{key}_range", (None, None))
+    return f"{row[key]:.2f}" + ("" if low is None else f" ({low:.2f}–{high:.2f})")
+
+
 def markdown(result: dict[str, Any]) -> str:
     commits = result["commits"]
     baseline = "baseline" in commits
@@ -198,7 +234,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"# Head loss cost, {commits['now']} against {commits.get('baseline', 'nothing')}",
         "",
         f"Forward + backward of `head.loss` (all gradients), median ms over {result['repeats']} "
-        "interleaved repetitions; ratios are medians of per-repetition ratios in the same run. "
+        "interleaved repetitions; ratios are medians of per-repetition ratios in the same run"
+        + (
+            "."
+            if result["runs"] == 1
+            else f"; then the median over {result['runs']} such runs, each with fresh worker "
+            "processes, and in brackets the runs' smallest and largest ratio."
+        )
+        + " "
         f"Mixtape shared: words seen < {result['shared_gate_below']:g} times share one gate "
         f"({result['frequent_words']} words with their own, counts: {result['token_counts']}). "
         "Memory: compiled temporaries over the full float32 logits.",
@@ -209,11 +252,11 @@ def markdown(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         cells = [row["shape"], row["head"], f"{row['ms']:.1f}"]
         if baseline:
-            cells += [f"{row['ms_baseline']:.1f}", f"{row['x_baseline']:.2f}"]
-        cells += [f"{row['x_softmax']:.2f}", f"{row.get('x_mos', float('nan')):.2f}"]
+            cells += [f"{row['ms_baseline']:.1f}", _ratio(row, "x_baseline")]
+        cells += [_ratio(row, "x_softmax"), _ratio(row, "x_mos")]
         cells.append("-" if row["memory"] is None else f"{row['memory']:.3f}")
         if baseline:
-            cells.append(f"{row['x_softmax_baseline']:.2f}")
+            cells.append(_ratio(row, "x_softmax_baseline"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -228,6 +271,7 @@ def main() -> None:
     parser.add_argument("--heads", default=",".join(HEADS), help="comma-separated")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=1, help="whole runs, fresh workers each")
     parser.add_argument("--shared-gate-below", type=float, default=100.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/head_cost.json"))
     args = parser.parse_args()
@@ -243,7 +287,9 @@ def main() -> None:
         parser.error("--heads must include softmax, the reference of the ratios")
     if args.baseline is not None and not (args.baseline / "bottleneck").is_dir():
         parser.error(f"--baseline {args.baseline} has no bottleneck/ package")
-    result = run(args)
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
+    result = combine([run(args) for _ in range(args.runs)])
     text = markdown(result)
     # The workers ran the code; this process's bottleneck may be another checkout's.
     write_results(
