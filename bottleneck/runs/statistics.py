@@ -138,8 +138,7 @@ def gain_trend(
     for seed in sorted(by_seed):
         x, y = (np.asarray(v, dtype=float) for v in zip(*by_seed[seed], strict=True))
         if np.ptp(x) > 0:
-            dx = x - x.mean()
-            slopes.append(float(dx @ (y - y.mean()) / (dx @ dx)))
+            slopes.append(float(stats.linregress(x, y).slope))
     t = paired_t(slopes, alpha)
     if t is None:
         return None
