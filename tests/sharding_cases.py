@@ -7,6 +7,7 @@ Run directly: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import sys
@@ -81,49 +82,68 @@ def _place(head, bias):
     return head
 
 
-def head_case(build, mesh_spec: str) -> float:
-    """Loss and gradients of a vocab/data-parallel head equal the single-device ones.
+def single_device_head(build) -> dict:
+    """One device's head (``build()``), its inputs and its results: what :func:`head_case`
+    compares each mesh's with, computed once per head."""
+    head = build()
+    params = nnx.to_pure_dict(nnx.state(head))
+    keys = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(keys[0], (TOKENS, DIM))
+    bias = keep_relu_off_its_kink(head, h)
+    head = _place(head, bias)
+    labels = jax.random.randint(keys[1], (TOKENS,), 0, VOCAB_SIZE)
+    where = jax.random.bernoulli(keys[2], 0.8, (TOKENS,))
+    loss, grads, grad_h = _loss_and_grads(head, h, labels, where)
+    log_probs = _label_log_probs(head, h[:37], labels[:37])
+    return {
+        "params": params, "bias": bias, "h": h, "labels": labels, "where": where,
+        "loss": loss, "grads": grads, "grad_h": grad_h, "log_probs": log_probs,
+    }  # fmt: skip
+
+
+@nnx.jit
+def _label_log_probs(head, h, labels):
+    return head.label_log_probs(h, labels)
+
+
+def head_case(build, mesh_spec: str, single: dict) -> float:
+    """Loss and gradients of a vocab/data-parallel head equal the single-device ones
+    (``single``: :func:`single_device_head` of the same ``build``).
 
     ``build()`` makes the head; on the mesh it is built and run inside ``jax.set_mesh``.
     """
     mesh = make_mesh(mesh_spec)
-    single = build()
     with jax.set_mesh(mesh):
         sharded = build()
     # A mesh changes no parameter: the decoder and bias only gain zero padding rows.
-    single_params = nnx.to_pure_dict(nnx.state(single))
     for key, value in nnx.to_pure_dict(nnx.state(sharded)).items():
         if key in ROW_PARAMS:
             assert not np.any(np.asarray(value[VOCAB_SIZE:])), f"padding rows of {key} are not 0"
             value = value[:VOCAB_SIZE]
-        assert jax.tree.all(jax.tree.map(np.array_equal, value, single_params[key])), key
+        assert jax.tree.all(jax.tree.map(np.array_equal, value, single["params"][key])), key
 
-    keys = jax.random.split(jax.random.key(1), 3)
-    h = jax.random.normal(keys[0], (TOKENS, DIM))
-    bias = keep_relu_off_its_kink(single, h)
-    single, sharded = _place(single, bias), _place(sharded, bias)
-    labels = jax.random.randint(keys[1], (TOKENS,), 0, VOCAB_SIZE)
-    where = jax.random.bernoulli(keys[2], 0.8, (TOKENS,))
-    want_loss, want_grads, want_h = _loss_and_grads(single, h, labels, where)
+    sharded = _place(sharded, single["bias"])
+    h, labels = single["h"], single["labels"]
     with jax.set_mesh(mesh):
         got_loss, got_grads, got_h = _loss_and_grads(
-            sharded, shard_batch(h, mesh), shard_batch(labels, mesh), shard_batch(where, mesh)
+            sharded,
+            shard_batch(h, mesh),
+            shard_batch(labels, mesh),
+            shard_batch(single["where"], mesh),
         )
     for key in ROW_PARAMS:
         if key in got_grads:
             assert not np.any(np.asarray(got_grads[key][VOCAB_SIZE:])), f"padding rows of {key}"
             got_grads[key] = got_grads[key][:VOCAB_SIZE]
     # 37 tokens divide over no data axis: label_log_probs pads them.
-    label_log_probs = nnx.jit(lambda head, h, y: head.label_log_probs(h, y))
-    want_lp = label_log_probs(single, h[:37], labels[:37])
     with jax.set_mesh(mesh):
-        got_lp = label_log_probs(sharded, h[:37], labels[:37])
+        got_lp = _label_log_probs(sharded, h[:37], labels[:37])
     assert got_lp.shape == (37,)
     return max(
-        abs(float(got_loss - want_loss)),
-        _max_deviation(got_grads, want_grads),
-        _max_deviation(got_h, want_h),
-        _max_deviation(got_lp, want_lp),
+        abs(float(got_loss - single["loss"])),
+        _max_deviation(got_grads, single["grads"]),
+        _max_deviation(got_h, single["grad_h"]),
+        _max_deviation(got_lp, single["log_probs"]),
     )
 
 
@@ -195,46 +215,35 @@ def synthetic_case(mesh_spec: str) -> float:
     SGD rather than Adam: Adam divides by the gradient's magnitude, so for near-zero gradients
     it turns reduction-order round-off (~1e-7) into O(lr) differences in the parameters.
     """
-    targets = dirichlet_targets(jax.random.key(0), 32, 48, 0.1)
-
-    def train(mesh):
-        model = ContextEmbeddingModel(32, 4, 48, "plif", rngs=nnx.Rngs(0), num_knots=64)
-        batch = targets if mesh is None else shard_batch(targets, mesh)
-        trainer = Trainer(
-            model, make_optimizer(0.5, optimizer="sgd"), lambda m, t: expected_cross_entropy(t, m())
-        )
-        return trainer.run(batch, 5)
-
     mesh = make_mesh(mesh_spec)
     with jax.set_mesh(mesh):
-        sharded = train(mesh)
-    return _max_deviation(sharded, train(None))
+        sharded = _train_synthetic(mesh)
+    return _max_deviation(sharded, _synthetic_on_one_device())
+
+
+def _train_synthetic(mesh):
+    targets = dirichlet_targets(jax.random.key(0), 32, 48, 0.1)
+    model = ContextEmbeddingModel(32, 4, 48, "plif", rngs=nnx.Rngs(0), num_knots=64)
+    batch = targets if mesh is None else shard_batch(targets, mesh)
+    trainer = Trainer(
+        model, make_optimizer(0.5, optimizer="sgd"), lambda m, t: expected_cross_entropy(t, m())
+    )
+    return trainer.run(batch, 5)
+
+
+@functools.cache
+def _synthetic_on_one_device():
+    return _train_synthetic(None)
 
 
 def fixed_trunk_case(mesh_spec: str) -> float:
     """A Transformer with its trunk fixed across d (``embedding_features``: the head decodes with
     ``E Q``, the table split on ``vocab``, ``Q`` replicated): the same parameters, loss and
     gradients as on one device (the table's padding rows zero, and zero in the gradient)."""
-
-    def build():
-        return nn.Transformer(
-            VOCAB_SIZE, d_model=DIM, num_layers=1, num_heads=2, max_len=8, head_features=4,
-            embedding_features=DIM, rngs=nnx.Rngs(0),
-        )  # fmt: skip
-
-    def loss_and_grads(model, x):
-        graphdef, state = nnx.split(model, nnx.Param)
-
-        def loss(state):
-            return nnx.merge(graphdef, state).objective(x[:, :-1], x[:, 1:])[0]
-
-        value, grads = jax.jit(jax.value_and_grad(loss))(state)
-        return value, {path: v.get_value() for path, v in nnx.to_flat_state(grads)}
-
     mesh = make_mesh(mesh_spec)
     with jax.set_mesh(mesh):
-        sharded = build()
-    single = build()
+        sharded = _fixed_trunk_model()
+    single, x, (want_loss, want_grads) = _fixed_trunk_on_one_device()
     table, projection = sharded.head.decoder.table, sharded.head.decoder.projection
     if table is not sharded.embedding.embedding:
         return _failed("fixed trunk: the decoder's table is not the input embedding")
@@ -249,10 +258,8 @@ def fixed_trunk_case(mesh_spec: str) -> float:
     ):
         if not np.array_equal(np.asarray(got.get_value())[: want.shape[0]], want.get_value()):
             return _failed(f"fixed trunk: the mesh changed the parameter {path}")
-    x = jax.random.randint(jax.random.key(2), (8, 8), 0, VOCAB_SIZE)
-    want_loss, want_grads = loss_and_grads(single, x)
     with jax.set_mesh(mesh):
-        got_loss, got_grads = loss_and_grads(sharded, shard_batch(x, mesh))
+        got_loss, got_grads = _fixed_trunk_loss_and_grads(sharded, shard_batch(x, mesh))
     deviations = [abs(float(got_loss - want_loss))]
     for path, want in want_grads.items():
         got = np.asarray(got_grads[path])
@@ -262,6 +269,30 @@ def fixed_trunk_case(mesh_spec: str) -> float:
             got = got[:VOCAB_SIZE]
         deviations.append(float(np.max(np.abs(got - np.asarray(want)))))
     return max(deviations)
+
+
+def _fixed_trunk_model():
+    return nn.Transformer(
+        VOCAB_SIZE, d_model=DIM, num_layers=1, num_heads=2, max_len=8, head_features=4,
+        embedding_features=DIM, rngs=nnx.Rngs(0),
+    )  # fmt: skip
+
+
+def _fixed_trunk_loss_and_grads(model, x):
+    graphdef, state = nnx.split(model, nnx.Param)
+
+    def loss(state):
+        return nnx.merge(graphdef, state).objective(x[:, :-1], x[:, 1:])[0]
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(state)
+    return value, {path: v.get_value() for path, v in nnx.to_flat_state(grads)}
+
+
+@functools.cache
+def _fixed_trunk_on_one_device():
+    single = _fixed_trunk_model()
+    x = jax.random.randint(jax.random.key(2), (8, 8), 0, VOCAB_SIZE)
+    return single, x, _fixed_trunk_loss_and_grads(single, x)
 
 
 def bad_shapes_case() -> float:
@@ -379,15 +410,18 @@ def main() -> None:
     for combo in PAIRWISE_COMBOS:
         results[f"compose:{combo}:{COMPOSITION_MESH}"] = composition_case(combo, COMPOSITION_MESH)
         results[f"memory:{combo}:{COMPOSITION_MESH}"] = memory_case(combo, COMPOSITION_MESH)
+    builds = {}
+    for name, memory_budget in PRESET_HEADS.items():
+        options = {**OPTIONS.get(name, {}), "memory_budget": memory_budget}
+
+        def build(name=name, options=options):  # fresh streams: the same parameters each time
+            preset = PRESET_NAMES.get(name, name)
+            return nn.make_head(preset, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), **options)
+
+        builds[name] = (build, single_device_head(build))
     for mesh_spec in MESHES:
-        for name, memory_budget in PRESET_HEADS.items():
-            options = {**OPTIONS.get(name, {}), "memory_budget": memory_budget}
-
-            def build(name=name, options=options):  # fresh streams: the same parameters each time
-                preset = PRESET_NAMES.get(name, name)
-                return nn.make_head(preset, DIM, VOCAB_SIZE, rngs=nnx.Rngs(0), **options)
-
-            results[f"head:{name}:{mesh_spec}"] = head_case(build, mesh_spec)
+        for name, (build, single) in builds.items():
+            results[f"head:{name}:{mesh_spec}"] = head_case(build, mesh_spec, single)
         results[f"synthetic:{mesh_spec}"] = synthetic_case(mesh_spec)
         results[f"fixed_trunk:{mesh_spec}"] = fixed_trunk_case(mesh_spec)
     results["errors:bad_shapes"] = bad_shapes_case()
