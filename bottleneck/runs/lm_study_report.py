@@ -352,7 +352,9 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     there, in the order of ``--heads``.
 
     A setting's rows are read from its CSV whatever their config digest: the CSV holds one
-    setting, and each row says its own (``lr``, ``dropout``)."""
+    setting, and each row says its own (``lr``, ``dropout``). ``choice_devices``: the devices
+    the first seed's cells that a head's choice compares trained on (more than one: the choice
+    compares devices too); the tuned gain's ``cross_device_seeds`` as in the grid's table."""
     tuned = [row for path in config.tuned_csvs for row in read_results_csv(Path(path)).values()]
     if not tuned:
         return []
@@ -377,6 +379,7 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
         entries.append({
             "head": head, "d": d, "setting": chosen, "seeds": [r["seed"] for r in cells],
             "first_seed_valid": {s: first[s]["valid_ppl"] for s in sorted(first)},
+            "choice_devices": sorted({first[s]["device"] for s in first}),
             "test_ppl": float(np.mean([r["test_ppl"] for r in cells])),
         })  # fmt: skip
     base = {r["seed"]: r for r in chosen_cells.get("softmax", [])}
@@ -411,6 +414,7 @@ def _tuned_text(entries: list[dict[str, Any]], config: Config) -> str:
                 "—" if not stats_ else
                 f"{stats_['gain_pct']:+.2f} {_interval_text(stats_['gain_ci'])}"
             )  # fmt: skip
+        row["devices"] = _tuned_devices_text(e)
         table.append(row)
     return "\n".join([
         f"**Tuned arm** at d = {entries[0]['d']}: each head's peak learning rate and dropout "
@@ -419,10 +423,21 @@ def _tuned_text(entries: list[dict[str, Any]], config: Config) -> str:
         "paired by seed, with its paired "
         f"{1 - ALPHA:.0%} interval; 'gain, recipe' is the one-recipe grid's gain over the same "
         "seeds. The tuned arm's choice uses the first seed's validation, so that seed's gain is "
-        "not a held-out estimate.",
+        "not a held-out estimate. 'devices': 'same' where the cells compared, for the choice "
+        "and in the tuned pairs, trained on one device.",
         "",
         markdown_table(table),
     ])  # fmt: skip
+
+
+def _tuned_devices_text(e: dict[str, Any]) -> str:
+    """'same', or what crosses devices: the settings compared for the choice, the tuned pairs."""
+    parts = []
+    if len(e["choice_devices"]) > 1:
+        parts.append("choice across " + " and ".join(e["choice_devices"]))
+    if crossing := _crossing_text(e.get("tuned") or {}):
+        parts.append(crossing)
+    return "; ".join(parts) or "same"
 
 
 def convergence_probe(

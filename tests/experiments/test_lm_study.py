@@ -596,6 +596,32 @@ def test_the_tuned_arm_picks_each_head_s_setting_by_its_first_seed(tmp_path):
     np.testing.assert_allclose(entries["plif"]["recipe"]["gain_pct"], np.mean(recipe_gains))
     text = report._tuned_text(list(entries.values()), config)
     assert "lr 0.001, dropout 0.1" in text and "95.00" in text
+    assert "| same" in text and "crosses" not in text
+
+
+def test_the_tuned_arm_names_a_choice_or_a_pair_across_devices(tmp_path):
+    """A setting trained on another device than the others (the recipe's cells on a CPU, the
+    tuned settings on a GPU): the choice compares devices, and so does a pair with softmax."""
+    config = study.Config(heads=("softmax", "plif"), ds=(128,), seeds=(1, 2), rank_d=None,
+                          results_csv=str(tmp_path / "grid.csv"),
+                          tuned_csvs=(str(tmp_path / "lr1e-3.csv"),))  # fmt: skip
+    for head, tests in {"softmax": [100.0, 101.0], "plif": [104.0, 103.0]}.items():
+        for seed, test in enumerate(tests, 1):
+            study.merge_results_csv(Path(config.results_csv), _csv_row(head, 128, seed, test))
+    gpu = {"softmax": (105.0, [101.0, 102.0]), "plif": (95.0, [98.0, 97.0])}
+    for head, (valid, tests) in gpu.items():
+        for seed, test in enumerate(tests, 1):
+            row = _csv_row(head, 128, seed, test, valid if seed == 1 else test, 0.001, 0.1)
+            study.merge_results_csv(tmp_path / "lr1e-3.csv", {**row, "device": "gpu (Y)"})
+    rows = [
+        {**r, "status": "done"} for r in study.read_results_csv(Path(config.results_csv)).values()
+    ]
+    entries = {e["head"]: e for e in report.tuned_arm(config, rows)}
+    # softmax keeps the recipe (100 < 105), plif takes the GPU's setting (95 < 104)
+    assert entries["plif"]["choice_devices"] == ["cpu (X)", "gpu (Y)"]
+    assert entries["plif"]["tuned"]["cross_device_seeds"] == [1, 2]
+    text = report._tuned_text(list(entries.values()), config)
+    assert "choice across cpu (X) and gpu (Y); seed 1 crosses, seed 2 crosses" in text
 
 
 def test_the_convergence_probe_compares_a_longer_budget_with_the_gain_s_half_width(tmp_path):
