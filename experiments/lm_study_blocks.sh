@@ -15,8 +15,9 @@
 #       --trunk.head.memory_budget_mib 2048 --rank_d None --data_dir PTB_DIR
 # Each process trains its head's cells in the order of --seeds and --ds; all share a persistent
 # compilation cache (JAX_COMPILATION_CACHE_DIR, default WORK/jax-cache), so a head's second
-# cell at a d it has trained loads its programs instead of compiling them again. WORK (default:
-# a new temporary folder) holds the cells' run folders, their logs and the cache.
+# cell at a d it has trained loads its programs instead of compiling them again (JAX caches the
+# programs that took over a second to compile: the heads' own, not the small ones they share).
+# WORK (default: a new temporary folder) holds the cells' run folders, their logs and the cache.
 set -euo pipefail
 if [ $# -lt 3 ]; then
   sed -n '9p' "$0" | sed 's/^# *//' >&2
@@ -28,7 +29,6 @@ work="${WORK:-$(mktemp -d)}"
 mkdir -p "$work"
 python="${PYTHON:-python}"
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$work/jax-cache}"
-export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
 # The processes share the accelerator's memory (JAX takes 75% of it by default, per process).
 count=$(wc -w <<<"$heads")
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(
