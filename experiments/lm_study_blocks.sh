@@ -39,6 +39,8 @@ for head in $heads; do
       --out_dir "$work/$head" --results_csv "$work/rows-$head.csv" > "$work/$head.log" 2>&1 &
 done
 wait || true  # a cell the deadline stopped exits non-zero; its block is left out below
+# Self-contained: it runs beside the pinned commit's library, which may not have today's
+# bottleneck.runs.lm_study (read_results_csv, merge_results_csv).
 "$python" - "$rows" "$work" $heads <<'PY'
 import csv
 import sys
@@ -57,16 +59,17 @@ for head in heads:
         for row in reader:
             if row.get("test_ppl"):
                 finished.setdefault((int(row["d"]), int(row["seed"])), {})[row["head"]] = row
-whole = {block: cells for block, cells in sorted(finished.items()) if set(heads) <= set(cells)}
-for block, cells in sorted(finished.items()):
-    if block not in whole:
-        missing = " ".join(h for h in heads if h not in cells)
-        print(f"block d={block[0]} seed={block[1]}: left out, unfinished: {missing}")
+whole = 0
 with out.open("w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=fields)
     writer.writeheader()
-    for block, cells in whole.items():
-        writer.writerows(cells[head] for head in heads)
-        print(f"block d={block[0]} seed={block[1]}: {len(heads)} rows")
-print(f"{len(whole)} whole blocks in {out}")
+    for (d, seed), cells in sorted(finished.items()):
+        missing = " ".join(h for h in heads if h not in cells)
+        if missing:
+            print(f"block d={d} seed={seed}: left out, unfinished: {missing}")
+        else:
+            writer.writerows(cells[head] for head in heads)
+            print(f"block d={d} seed={seed}: {len(heads)} rows")
+            whole += 1
+print(f"{whole} whole blocks in {out}")
 PY
