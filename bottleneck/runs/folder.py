@@ -208,13 +208,22 @@ def code_commit() -> str:
     return sha[:12] + ("-dirty" if dirty else "")
 
 
+# Settings read when the process starts that move its speed but not its numbers: a page
+# measured under one of them says so (glibc's huge pages take XLA:CPU's per-call temporaries
+# from ~45,000 page faults a Transformer step to ~700; docs/benchmarks.md).
+SPEED_ENVIRONMENT = ("XLA_FLAGS", "GLIBC_TUNABLES", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+
+
 def machine_description() -> str:
     """The machine in a few words: CPU model, cores, OS, JAX version and backend (with the
-    accelerator's name, e.g. ``gpu (NVIDIA H200)``, where it is not the CPU)."""
+    accelerator's name, e.g. ``gpu (NVIDIA H200)``, where it is not the CPU), and the
+    :data:`SPEED_ENVIRONMENT` variables that are set."""
     backend = jax.default_backend()
+    settings = [f"{name}={os.environ[name]}" for name in SPEED_ENVIRONMENT if os.environ.get(name)]
     return (
         f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}; JAX {jax.__version__} on "
         f"{backend if backend == 'cpu' else accelerator()}"
+        + (f"; {', '.join(settings)}" if settings else "")
     )
 
 

@@ -17,10 +17,12 @@ from test_cli import Config, Large, Nested, Optimizer, Small
 
 from bottleneck.runs import RunDir, RunFolderError, code_commit, open_run
 from bottleneck.runs.folder import (
+    SPEED_ENVIRONMENT,
     check_resumable,
     config_changes,
     config_from_jsonable,
     cpu_model,
+    machine_description,
     to_jsonable,
 )
 
@@ -157,6 +159,15 @@ def test_a_results_page_names_its_command_commit_and_machine(tmp_path):
     assert f"at commit `{code_commit()}` on " in header
     assert f"JAX {jax.__version__} on {jax.default_backend()}" in header
     assert lines[4:] == ["| d | rank |", "|--:|--:|", "| 4 | 6 |"]
+
+
+def test_a_results_page_names_the_settings_that_move_its_speed(monkeypatch):
+    for name in SPEED_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    assert "=" not in machine_description()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    monkeypatch.setenv("XLA_FLAGS", "")  # set but empty: nothing to say
+    assert machine_description().endswith("; GLIBC_TUNABLES=glibc.malloc.hugetlb=1")
 
 
 def test_a_runs_page_names_the_command_and_commit_recorded_when_it_started(tmp_path):
