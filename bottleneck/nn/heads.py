@@ -63,13 +63,29 @@ def affine_logits(
     The bias rides in the product as one more input feature (a column of ones in ``x``
     against ``b`` beside ``W``): the logits are written once, not once by the product and again
     by the addition, and ``b``'s gradient comes out of the product's transpose as one more
-    column of ``W``'s, not from a second pass over ``[..., M]``. ``reverse_only``: see
-    :func:`decoder_products` (the chunked loss sets it).
+    column of ``W``'s, not from a second pass over ``[..., M]``. Where the extra column breaks
+    a width that was a multiple of 16 and 15 more cost at most an eighth more work, zero
+    columns restore it (``d' = 400``: 416 columns, not 401): a row of 401 float32 starts off
+    the 64-byte lines the matrix kernels read, and on a 2-core AMD EPYC without AVX-512 the
+    three products of the loss took 1.3-1.6x as long at 401 as at 400 or 416
+    (docs/benchmarks.md). ``reverse_only``: see :func:`decoder_products` (the chunked loss
+    sets it).
     """
     if bias is not None:
-        x = jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
-        decoder = jnp.concatenate([decoder, bias[:, None].astype(decoder.dtype)], axis=-1)
+        width = x.shape[-1] + 1
+        pad = -width % _ALIGNED_COLUMNS
+        pad = pad if 8 * pad <= width else 0
+        x = jnp.concatenate(
+            [x, jnp.ones((*x.shape[:-1], 1), x.dtype), jnp.zeros((*x.shape[:-1], pad), x.dtype)],
+            axis=-1,
+        )
+        columns = [decoder, bias[:, None].astype(decoder.dtype)]
+        decoder = jnp.concatenate([*columns, jnp.zeros((decoder.shape[0], pad), decoder.dtype)], 1)
     return decoder_products([x], decoder, reverse_only=reverse_only)[0]
+
+
+# float32 per 64-byte cache line: the alignment affine_logits keeps its product's rows at.
+_ALIGNED_COLUMNS = 16
 
 
 def decoder_products(

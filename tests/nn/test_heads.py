@@ -1,3 +1,4 @@
+import functools
 import json
 import pathlib
 import re
@@ -311,6 +312,35 @@ def test_decoder_products_hand_written_gradients_are_autodiff_s(count, lead, wid
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     zs = nn.heads.decoder_products(xs, decoder, reverse_only=True)
     np.testing.assert_allclose(zs[-1], xs[-1] @ decoder.T, rtol=1e-5, atol=1e-5)
+
+
+# The bias's column of ones is followed by zero columns where that keeps the product's rows
+# 64-byte aligned (128 features: 144 columns), and by none where it would not be worth it (4).
+@pytest.mark.parametrize("width, columns", [(4, 5), (128, 144)])
+@pytest.mark.parametrize("reverse_only", [False, True])
+def test_affine_logits_with_its_alignment_columns_is_the_plain_affine_map(
+    width, columns, reverse_only
+):
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (3, 7, width))
+    decoder, bias = jax.random.normal(keys[1], (50, width)), jax.random.normal(keys[2], (50,))
+    weights = jax.random.normal(keys[3], (3, 7, 50))
+
+    def loss(affine, x, decoder, bias):
+        return jnp.sum(weights * jnp.tanh(affine(x, decoder, bias)))
+
+    ours = functools.partial(nn.heads.affine_logits, reverse_only=reverse_only)
+    jaxpr = str(jax.make_jaxpr(ours)(x, decoder, bias))
+    assert f"f32[50,{columns}]" in jaxpr
+    np.testing.assert_allclose(
+        ours(x, decoder, bias),
+        np.asarray(x, np.float64) @ np.asarray(decoder, np.float64).T + np.asarray(bias),
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    plain = jax.grad(functools.partial(loss, lambda x, w, b: x @ w.T + b), argnums=(0, 1, 2))
+    got = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(x, decoder, bias)
+    for g, want in zip(got, plain(x, decoder, bias), strict=True):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
