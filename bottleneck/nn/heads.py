@@ -67,7 +67,7 @@ def affine_logits(
     a width that was a multiple of 16 and 15 more cost at most an eighth more work, zero
     columns restore it (``d' = 400``: 416 columns, not 401): a row of 401 float32 starts off
     the 64-byte lines the matrix kernels read, and on a 2-core AMD EPYC without AVX-512 the
-    three products of the loss took 1.3-1.6x as long at 401 as at 400 or 416
+    three products of the loss took 1.25-1.6x as long at 401 as at 400 or 416
     (docs/benchmarks.md). ``reverse_only``: see :func:`decoder_products` (the chunked loss
     sets it).
     """
