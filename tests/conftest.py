@@ -1,6 +1,9 @@
-"""Test-wide JAX settings: strict dtype promotion catches silent up/down-casts (as equinox does)."""
+"""Test-wide JAX settings: strict dtype promotion catches silent up/down-casts (as equinox does);
+one persistent compilation cache for the whole run."""
 
 import os
+import shutil
+import tempfile
 
 # LAPACK (SVD) runs on OpenBLAS threads that fight XLA's own on small CPUs: 10-200x slower.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -16,6 +19,19 @@ os.environ["BOTTLENECK_DATA_URL"] = "http://127.0.0.1:9"
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
 ).strip()
+
+# Tests compile the same programs many times over: every smoke run, grid cell and seed builds its
+# model afresh, in this process or in a subprocess, and jit's in-memory cache keys on the Python
+# function, not on the program. JAX's persistent cache keys on the program (with XLA_FLAGS and
+# the backend), so each is compiled once per test run: the folder is made by the first process
+# (pytest, or xdist's controller) and inherited through the environment by the xdist workers and
+# by every subprocess a test starts; its maker removes it at the end. A folder the caller set is
+# used as it is.
+_OWN_COMPILATION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="bottleneck-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402
 
@@ -40,3 +56,8 @@ def pytest_collection_modifyitems(session, config, items):
         return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
 
     items.sort(key=rank)  # stable: the order within each file is kept
+
+
+def pytest_unconfigure(config):
+    if _OWN_COMPILATION_CACHE is not None:
+        shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)

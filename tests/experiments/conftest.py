@@ -28,19 +28,26 @@ SMOKE_RUNS = {
 
 def train_smoke_run(out: Path, *flags: str) -> Path:
     """One epoch of ``language_model.py FLAGS`` in ``out``, without the evaluation extras."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_backend_optimization_level=0",
-        "JAX_PLATFORMS": "cpu",
-    }
     flags = (*flags, "--epochs", "1", "--no-dynamic_eval", "--max_logprob_tokens", "0")
     process = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "language_model.py"), *flags,
          "--out_dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert process.returncode == 0, process.stderr
     return out
+
+
+def script_env() -> dict[str, str]:
+    """A script's environment as a subprocess: the CPU, and what tests/conftest.py put in this
+    process's environment (XLA's fast compile mode, the test run's compilation cache)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture(scope="session")
+def env() -> dict[str, str]:
+    """:func:`script_env`, for the tests that run a script."""
+    return script_env()
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 The run loop itself (resuming, stop signals, divergence, finetuning, early stopping) is tested
 with a tiny model in tests/runs/test_run_loop.py. The runs here are subprocesses sharing one
-persistent JAX compilation cache (and XLA's fast compile mode), so only the first compiles.
+persistent JAX compilation cache of the test run (tests/conftest.py), so only the first compiles.
 The Transformer's runs: a plain and a mixture head on one device, and the mixture head on a
 vocabulary-parallel mesh of 8 CPU devices stopped by SIGTERM mid-epoch and resumed (that
 comparison is tests/test_sharding.py's for the AWD-LSTM; the one-device run it needs is here).
@@ -32,18 +32,6 @@ from tests.usage import plain
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "language_model.py"
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax_cache")
-    return {
-        **os.environ,
-        "JAX_COMPILATION_CACHE_DIR": str(cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "XLA_FLAGS": "--xla_backend_optimization_level=0",
-        "JAX_PLATFORMS": "cpu",
-    }
 
 
 def _run(env, *args):

@@ -8,7 +8,6 @@ cells after the first compile little.
 import csv
 import dataclasses
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -29,17 +28,6 @@ from tests.usage import plain
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "lm_study.py"
 RESULTS_CSV = ROOT / "docs" / "results" / "ptb-transformer.csv"
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return {
-        **os.environ,
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "XLA_FLAGS": "--xla_backend_optimization_level=0",
-        "JAX_PLATFORMS": "cpu",
-    }
 
 
 def _run(env, *args, preset="smoke"):
