@@ -2,7 +2,6 @@
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "jacobian.py"
 SMOKE_WIDTH, SMOKE_EXPERTS = 16, (2, 4)
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def run_script(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         cwd=SCRIPT.parents[1],
@@ -30,16 +28,16 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def run_smoke(out_dir: Path) -> subprocess.CompletedProcess:
-    result = run_script("smoke", "--out_dir", str(out_dir))
+def run_smoke(env: dict[str, str], out_dir: Path) -> subprocess.CompletedProcess:
+    result = run_script(env, "smoke", "--out_dir", str(out_dir))
     assert result.returncode == 0, result.stderr
     return result
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def smoke(env, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("jacobian_smoke")
-    return out_dir, run_smoke(out_dir)
+    return out_dir, run_smoke(env, out_dir)
 
 
 def load_results(out_dir: Path) -> dict:
@@ -116,8 +114,8 @@ def test_csv_has_one_row_per_layer(smoke):
         assert float(row["smallest"]) == layer["singular_values"][-1]
 
 
-def test_reproducible_for_a_fixed_seed(smoke, tmp_path):
-    run_smoke(tmp_path)
+def test_reproducible_for_a_fixed_seed(env, smoke, tmp_path):
+    run_smoke(env, tmp_path)
     assert load_results(tmp_path) == load_results(smoke[0])
 
 

@@ -3,7 +3,6 @@
 import csv
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +30,12 @@ def rank_script():
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def smoke(env, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("rank_smoke")
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "smoke", "--out_dir", str(out_dir)],
         cwd=SCRIPT.parents[1],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
