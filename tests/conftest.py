@@ -5,6 +5,8 @@ import os
 import shutil
 import tempfile
 
+from tests.compile_flags import with_fast_compile
+
 # LAPACK (SVD) runs on OpenBLAS threads that fight XLA's own on small CPUs: 10-200x slower.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -13,12 +15,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # that tells an offline user what to do (tests of the download serve their own mirror).
 os.environ["BOTTLENECK_DATA_URL"] = "http://127.0.0.1:9"
 
-# The suite compiles far more than it computes: XLA's backend optimisations (LLVM -O2) double the
-# compile time of its many small programs and change no result beyond round-off. Subprocesses
-# inherit the flag.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
-).strip()
+# The suite compiles far more than it computes: XLA's cheapest compiles (tests/compile_flags.py).
+# Subprocesses inherit them.
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
 # Tests compile the same programs many times over: every smoke run, grid cell and seed builds its
 # model afresh, in this process or in a subprocess, and jit's in-memory cache keys on the Python

@@ -15,6 +15,8 @@ import sys
 import jax
 import pytest
 
+from tests.compile_flags import without_fast_compile
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RESULTS = ROOT / "docs" / "results"
@@ -253,7 +255,7 @@ def test_committed_synthetic_results_are_what_the_code_computes(tmp_path):
 
     Each (head, d) of the study trains on its own (the task depends on alpha and seed only), so the
     slice reproduces those rows of the full run, bit for bit on the machine that made the file:
-    the slice compiles as the full run did (without the suite's -O0, whose other fused
+    the slice compiles as the full run did (without the suite's fast-compile flags: -O0's other fused
     arithmetic moved PLIF's mode matching by 5 contexts). Tolerances for another CPU: mode
     matching to as many contexts of 256 as this run has near-tied modes (at least one): an argmax
     whose true mode's learned log-probability lies within 0.05 nats of another outcome's may
@@ -265,7 +267,7 @@ def test_committed_synthetic_results_are_what_the_code_computes(tmp_path):
     runs = json.loads((RESULTS / "synthetic.json").read_text())["runs"]
     expected = {(r["d"], r["head"]): r for r in runs if r["seed"] == 0}
     out = tmp_path / "synthetic"
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+    flags = without_fast_compile(os.environ.get("XLA_FLAGS", ""))
     subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "synthetic.py"), "--dims", "4",
          "--heads", "softmax", "plif", "--seeds", "0", "--out_dir", str(out)],
