@@ -28,7 +28,12 @@ from bottleneck.sharding import make_mesh, require_data_divides, shard_batch
 from bottleneck.train import Trainer, make_optimizer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from head_combos import PAIRWISE_COMBOS, build_head, keep_relu_off_its_kink  # noqa: E402
+from head_combos import (  # noqa: E402
+    PAIRWISE_COMBOS,
+    build_head,
+    keep_relu_off_its_kink,
+    loss_temp_bytes,
+)
 
 MESHES = ("data=8", "vocab=8", "data=2,vocab=4")
 # Every pair of pieces (tests/head_combos.py) runs on this mesh, the presets on every mesh.
@@ -197,16 +202,8 @@ def memory_case(combo: str, mesh_spec: str) -> float:
     M=32768, as a fraction of one device's quarter of the full float32 logits (< 1 passes)."""
     num_tokens, dim, vocab = 4096, 64, 32768
     mesh = make_mesh(mesh_spec)
-    with jax.set_mesh(mesh):
-        graphdef, state = nnx.split(build_head(combo, dim, vocab))
-        h = jax.ShapeDtypeStruct((num_tokens, dim), jnp.float32)
-        labels = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
-
-        def loss(state, h, labels):
-            return nnx.merge(graphdef, state).loss(h, labels)
-
-        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, h, labels)
-        temp = lowered.compile().memory_analysis().temp_size_in_bytes
+    with jax.set_mesh(mesh):  # shapes only, laid out on the mesh: no table is initialised
+        temp = loss_temp_bytes(lambda: build_head(combo, dim, vocab), num_tokens)
     return temp / (num_tokens * vocab * 4 / mesh.size / 4)
 
 
