@@ -25,7 +25,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.optimize import linprog
 
 from bottleneck._checks import (
     compute_dtype,
@@ -68,6 +67,8 @@ def _margin_lp(W, b, i, rows, bounded):
     bounds = [(-1.0, 1.0)] * d + [(1.0, 1.0) if bounded else (0.0, 1.0), (None, 2.0)]
     cost = np.zeros(d + 2)
     cost[-1] = -1.0
+    from scipy.optimize import linprog  # here: importing it costs every user of the package 0.6 s
+
     result = linprog(cost, A_ub=A, b_ub=np.zeros(len(rows)), bounds=bounds, method="highs")
     if result.status != 0:  # cannot happen for this bounded, feasible (h = 0, t <= 0) program
         raise RuntimeError(f"linprog failed for token {i}: {result.message}")

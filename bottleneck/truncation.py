@@ -25,7 +25,6 @@ import threading
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linprog
 
 from bottleneck._checks import require_finite_number
 
@@ -213,6 +212,7 @@ class BatProblem:
         upper = np.full(M, 1 / (1 - self.tau))
         upper[i] = 0.0
         outcome: dict[str, Any] = {}
+        from scipy.optimize import linprog  # here: importing it costs every user 0.6 s
 
         def solve() -> None:
             outcome["status"] = linprog(

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.optimize
 from flax import nnx
 from scipy.optimize import linprog
 
@@ -95,7 +96,8 @@ def test_the_primal_certificate_discards_only_tokens_a_consistent_law_can_zero(s
 def test_ctrl_c_interrupts_a_long_program(monkeypatch):
     """A program that would run for a minute: SIGINT raises KeyboardInterrupt within a second."""
     slow = SimpleNamespace(status=2)  # what the program would answer, a minute later
-    monkeypatch.setattr(truncation, "linprog", lambda *a, **k: time.sleep(60) or slow)
+    # BatProblem imports scipy.optimize.linprog when it first solves: patched where it looks.
+    monkeypatch.setattr(scipy.optimize, "linprog", lambda *a, **k: time.sleep(60) or slow)
     problem = truncation.BatProblem(np.log(np.full(4, 0.25)), np.zeros((4, 1)), 0.5)
     timer = threading.Timer(
         0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
