@@ -3,7 +3,7 @@
 The suite compiles far more than it computes (hundreds of small programs, most run once), so it
 asks XLA:CPU for its cheapest compiles: no LLVM -O2 backend, and XLA's older elemental emitters
 for fused loops instead of its MLIR fusion emitters. Four of tests/nn/test_heads.py's composition
-programs (2-core Zen 3, a training run on the other core) compiled in 7.8 s with neither and 4.8 s
+programs (2-core Zen 3, other work running: ratios only) compiled in 7.8 s with neither and 4.8 s
 with the first in one run, in 6.3 s with the first and 2.5 s with both in another.
 Neither changes a result beyond float32 round-off, which every comparison's tolerance already
 allows for between x86 CPUs.
