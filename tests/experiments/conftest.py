@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import fcntl
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from experiments import language_model
+from tests.script_runs import run_main
+
 SMOKE_RUNS = {
     "awd_softmax": ("smoke",),
     "awd_mos": ("smoke", "--head", "mos"),  # the smoke head: 2 components
@@ -27,14 +27,11 @@ SMOKE_RUNS = {
 
 
 def train_smoke_run(out: Path, *flags: str) -> Path:
-    """One epoch of ``language_model.py FLAGS`` in ``out``, without the evaluation extras."""
+    """One epoch of ``language_model.py FLAGS`` in ``out``, without the evaluation extras (in
+    this process: tests/script_runs.py)."""
     flags = (*flags, "--epochs", "1", "--no-dynamic_eval", "--max_logprob_tokens", "0")
-    process = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "language_model.py"), *flags,
-         "--out_dir", str(out)],
-        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert process.returncode == 0, process.stderr
+    code, _, stderr = run_main(language_model.main, *flags, "--out_dir", str(out))
+    assert code == 0, stderr
     return out
 
 

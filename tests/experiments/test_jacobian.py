@@ -1,4 +1,5 @@
-"""experiments/jacobian.py end to end: the smoke preset in a subprocess, its files and its CLI errors."""
+"""experiments/jacobian.py end to end: the smoke preset (in this process, and again as a command
+for its reproducibility), its files and its CLI errors."""
 
 import csv
 import json
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import jacobian
+from tests.script_runs import run_main
 from tests.usage import plain
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "jacobian.py"
@@ -28,16 +30,13 @@ def run_script(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def run_smoke(env: dict[str, str], out_dir: Path) -> subprocess.CompletedProcess:
-    result = run_script(env, "smoke", "--out_dir", str(out_dir))
-    assert result.returncode == 0, result.stderr
-    return result
-
-
 @pytest.fixture(scope="module")
-def smoke(env, tmp_path_factory):
+def smoke(tmp_path_factory):
+    """The smoke preset's folder and stdout."""
     out_dir = tmp_path_factory.mktemp("jacobian_smoke")
-    return out_dir, run_smoke(env, out_dir)
+    code, stdout, stderr = run_main(jacobian.main, "smoke", "--out_dir", str(out_dir))
+    assert code == 0, stderr
+    return out_dir, stdout
 
 
 def load_results(out_dir: Path) -> dict:
@@ -45,14 +44,14 @@ def load_results(out_dir: Path) -> dict:
 
 
 def test_writes_all_files(smoke):
-    out_dir, result = smoke
+    out_dir, stdout = smoke
     for name in ["config.json", "results.json", "results.csv", "metrics.jsonl"]:
         assert (out_dir / name).stat().st_size > 0, name
     assert (out_dir / "singular_values.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = json.loads((out_dir / "config.json").read_text())
     assert config["config"]["width"] == SMOKE_WIDTH and config["seed"] == 0
-    assert "| layer" in result.stdout and "near_zero_count" in result.stdout
-    assert str(out_dir) in result.stdout
+    assert "| layer" in stdout and "near_zero_count" in stdout
+    assert str(out_dir) in stdout
 
 
 def test_spectra_are_sorted_mean_singular_values(smoke):
@@ -115,7 +114,8 @@ def test_csv_has_one_row_per_layer(smoke):
 
 
 def test_reproducible_for_a_fixed_seed(env, smoke, tmp_path):
-    run_smoke(env, tmp_path)
+    result = run_script(env, "smoke", "--out_dir", str(tmp_path))  # another process
+    assert result.returncode == 0, result.stderr
     assert load_results(tmp_path) == load_results(smoke[0])
 
 

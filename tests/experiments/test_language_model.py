@@ -1,9 +1,10 @@
 """experiments/language_model.py: the smoke runs end to end, its flags, presets and refusals.
 
 The run loop itself (resuming, stop signals, divergence, finetuning, early stopping) is tested
-with a tiny model in tests/runs/test_run_loop.py. The runs here are subprocesses sharing one
-persistent JAX compilation cache of the test run (tests/conftest.py), so only the first compiles.
-The Transformer's runs: a plain and a mixture head on one device, and the mixture head on a
+with a tiny model in tests/runs/test_run_loop.py. The runs here share one persistent JAX
+compilation cache of the test run (tests/conftest.py), so only the first compiles; they run in
+the test's process (tests/script_runs.py) but for those about the process (a signal, a full
+disk, a mesh of 8 devices), which are subprocesses. The Transformer's runs: a plain and a mixture head on one device, and the mixture head on a
 vocabulary-parallel mesh of 8 CPU devices stopped by SIGTERM mid-epoch and resumed (that
 comparison is tests/test_sharding.py's for the AWD-LSTM; the one-device run it needs is here).
 """
@@ -28,18 +29,15 @@ from bottleneck.runs import UsageError, language_model, parse_config
 from bottleneck.runs.lm_config import HeadConfig
 from bottleneck.runs.run_loop import TrainingDiverged
 from experiments import language_model as script
+from tests.script_runs import run_main
 from tests.usage import plain
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "language_model.py"
 
 
-def _run(env, *args):
-    process = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    return process.returncode, process.stdout, process.stderr
+def _run(*args):
+    return run_main(script.main, *args)
 
 
 # language_model.py that sends itself SIGTERM before training step argv[1] (as an operator's
@@ -80,9 +78,9 @@ def _metrics(out):
 
 
 @pytest.fixture(scope="module")
-def smoke(env, tmp_path_factory):
+def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")
-    code, stdout, stderr = _run(env, "smoke", "--out_dir", str(out))
+    code, stdout, stderr = _run("smoke", "--out_dir", str(out))
     assert code == 0, stderr
     return out, stdout
 
@@ -201,16 +199,16 @@ def test_head_options_the_head_does_not_take_are_not_checked():
         HeadConfig("plif", num_knots=1)
 
 
-def test_usage_errors_from_the_command_line_exit_2_with_their_reason(env, tmp_path):
+def test_usage_errors_from_the_command_line_exit_2_with_their_reason(tmp_path):
     for args, message in [  # tyro's: its box
         (["--optimizer.lr", "nan"], "lr must be finite, got nan"),
         (["--bogus", "1"], "Unrecognized options: --bogus, 1"),
     ]:
-        code, stdout, stderr = _run(env, *args, "--out_dir", str(tmp_path / "run"))
+        code, stdout, stderr = _run(*args, "--out_dir", str(tmp_path / "run"))
         assert (code, stdout) == (2, "") and message in plain(stderr)
     assert not any(tmp_path.iterdir())
     missing = str(tmp_path / "no-corpus")
-    code, stdout, stderr = _run(env, "--data_dir", missing, "--out_dir", str(tmp_path / "run"))
+    code, stdout, stderr = _run("--data_dir", missing, "--out_dir", str(tmp_path / "run"))
     assert (code, stdout) == (2, "") and len(stderr.splitlines()) == 1  # the script's: one line
     assert stderr.startswith("language_model.py: error: ") and "ptb.train.txt" in stderr
 
@@ -294,7 +292,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(env, tmp_
     errors = [line for line in process.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and re.fullmatch(error, errors[0]), errors
     assert [p.name for p in checkpoints.iterdir()] == [str(epoch_1["step"])]
-    code, stdout, stderr = _run(env, "smoke", "--out_dir", str(tmp_path))
+    code, stdout, stderr = _run("smoke", "--out_dir", str(tmp_path))
     assert code == 0, stderr
     assert "at epoch 2, window 0" in stderr
 
@@ -325,10 +323,10 @@ def test_a_folder_of_another_experiment_is_refused_before_anything_is_written(tm
 
 
 @pytest.mark.skipif(not (ROOT.parent / "shared" / "data" / "ptb").is_dir(), reason="no ../shared")
-def test_smoke_on_the_real_corpus_reads_a_few_hundred_tokens(env, tmp_path):
+def test_smoke_on_the_real_corpus_reads_a_few_hundred_tokens(tmp_path):
     start = time.monotonic()
     code, _, stderr = _run(
-        env, "smoke", "--data_dir", str(ROOT.parent / "shared" / "data"),
+        "smoke", "--data_dir", str(ROOT.parent / "shared" / "data"),
         "--no-dynamic_eval", "--out_dir", str(tmp_path),
     )  # fmt: skip
     assert code == 0, stderr

@@ -1,8 +1,8 @@
 """experiments/lm_study.py: the smoke grids end to end (Transformer and AWD-LSTM), resuming
 cells from their folders or from a results CSV, a failing cell.
 
-Subprocesses share one persistent JAX compilation cache (and XLA's fast compile mode), so the
-cells after the first compile little.
+The script runs in the test's process (tests/script_runs.py); its runs share one persistent JAX
+compilation cache (and XLA's fast compile mode), so the cells after the first compile little.
 """
 
 import csv
@@ -10,8 +10,6 @@ import dataclasses
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,19 +21,15 @@ from bottleneck.runs import lm_study_report as report
 from bottleneck.runs import parse_config
 from bottleneck.runs import statistics as paired_stats
 from experiments import lm_study
+from tests.script_runs import run_main
 from tests.usage import plain
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "experiments" / "lm_study.py"
 RESULTS_CSV = ROOT / "docs" / "results" / "ptb-transformer.csv"
 
 
-def _run(env, *args, preset="smoke"):
-    process = subprocess.run(
-        [sys.executable, str(SCRIPT), preset, *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    return process.returncode, process.stdout, process.stderr
+def _run(*args, preset="smoke"):
+    return run_main(lm_study.main, preset, *args)
 
 
 def _cells(out):
@@ -46,9 +40,9 @@ def _cells(out):
 
 
 @pytest.fixture(scope="module")
-def smoke(env, tmp_path_factory):
+def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
-    code, stdout, stderr = _run(env, "--out_dir", str(out), "--results_csv", str(out / "rows.csv"))
+    code, stdout, stderr = _run("--out_dir", str(out), "--results_csv", str(out / "rows.csv"))
     assert code == 0, stderr
     return out, stdout
 
@@ -99,35 +93,38 @@ def test_every_finished_cell_has_its_row_in_the_results_csv(smoke):
         assert row["converged"] == str(cell["converged"]) and row["commit"]
 
 
-def test_cells_recorded_in_the_results_csv_are_not_run_again(env, smoke, tmp_path):
+def test_cells_recorded_in_the_results_csv_are_not_run_again(smoke, tmp_path):
     reference, _ = smoke
     rows = tmp_path / "rows.csv"
     shutil.copy(reference / "rows.csv", rows)
+    hooked = tmp_path / "hook.log"  # the hook is a child process: it writes there
+    hook = ("--after_cell", f"echo ran $CELL >> {hooked}")
+    ran = lambda: hooked.read_text().split("\n")[:-1] if hooked.exists() else []  # noqa: E731
     out = tmp_path / "study"  # no cell folders: the rows alone say the cells are done
-    code, stdout, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out),
-                                "--results_csv", str(rows), "--after_cell", "echo ran $CELL")  # fmt: skip
+    code, stdout, stderr = _run("--rank_d", "None", "--out_dir", str(out),
+                                "--results_csv", str(rows), *hook)  # fmt: skip
     assert code == 0, stderr
-    assert stdout.count("recorded in") == 2 and "ran " not in stdout
+    assert stdout.count("recorded in") == 2 and ran() == []
     assert not (out / "cells").exists()
     assert _cells(out).keys() == _cells(reference).keys()
     # Another config (a longer budget) is another result: the cell runs, its row is replaced.
-    code, stdout, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out), "--heads",
+    code, stdout, stderr = _run("--rank_d", "None", "--out_dir", str(out), "--heads",
                                 "softmax", "--epochs", "1", "--results_csv", str(rows),
-                                "--after_cell", "echo ran $CELL")  # fmt: skip
+                                *hook)  # fmt: skip
     assert code == 0, stderr
-    assert "ran softmax-d4-s1" in stdout
+    assert ran() == ["ran softmax-d4-s1"]
     with rows.open() as f:
         epochs = {r["head"]: r["epochs"] for r in csv.DictReader(f)}
     assert epochs == {"mos": "2", "softmax": "1"}
     # Rerun: the cell's folder is finished and its row recorded, so the hook does not run again.
-    code, stdout, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out), "--heads",
+    code, stdout, stderr = _run("--rank_d", "None", "--out_dir", str(out), "--heads",
                                 "softmax", "--epochs", "1", "--results_csv", str(rows),
-                                "--after_cell", "echo ran $CELL")  # fmt: skip
+                                *hook)  # fmt: skip
     assert code == 0, stderr
-    assert "ran " not in stdout
+    assert ran() == ["ran softmax-d4-s1"]
 
 
-def test_a_block_another_device_trained_waits_for_a_machine_like_it(env, smoke, tmp_path):
+def test_a_block_another_device_trained_waits_for_a_machine_like_it(smoke, tmp_path):
     """Each head is compared with softmax of its d and seed: where softmax-d4-s1 trained on
     another device, mos-d4-s1 stays pending (never paired across devices) and the grid goes on
     with seed 2's block, which this machine trains; a cell another device began but did not
@@ -146,7 +143,7 @@ def test_a_block_another_device_trained_waits_for_a_machine_like_it(env, smoke, 
     begun.mkdir(parents=True)
     (begun / lm_study.DEVICE_FILE).write_text("cpu (Other CPU)\n")
     args = ["--rank_d", "None", "--out_dir", str(out), "--results_csv", str(csv_path)]
-    code, stdout, stderr = _run(env, *args, "--seeds", "1", "2")
+    code, stdout, stderr = _run(*args, "--seeds", "1", "2")
     assert code == 0, stderr
     assert "mos-d4-s1: deferred: its block (d = 4, seed 1) trained on gpu (Another GPU)" in stdout
     assert f"its checkpoint began on cpu (Other CPU): set aside in {begun}.set-aside-1" in stdout
@@ -161,9 +158,9 @@ def test_a_block_another_device_trained_waits_for_a_machine_like_it(env, smoke, 
 
 
 @pytest.fixture(scope="module")
-def awd_smoke(env, tmp_path_factory):
+def awd_smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("awd_study")
-    code, _, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out), preset="awd-smoke")
+    code, _, stderr = _run("--rank_d", "None", "--out_dir", str(out), preset="awd-smoke")
     assert code == 0, stderr
     return out
 
@@ -229,17 +226,17 @@ def test_converged_is_early_stopping_or_a_flat_last_three_epochs():
     assert not study.converged("epoch budget (3)", [200.0, 199.9, 199.8])  # too few epochs
 
 
-def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, awd_smoke, tmp_path):
+def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(awd_smoke, tmp_path):
     # The AWD-LSTM's SGD may extend its budget; AdamW's epochs set its schedule (refused).
     reference = awd_smoke
     out = tmp_path / "study"
     flags = ["--rank_d", "None", "--out_dir", str(out)]  # rank: the smoke grid checks it
-    code, _, stderr = _run(env, *flags, "--epochs", "1", preset="awd-smoke")
+    code, _, stderr = _run(*flags, "--epochs", "1", preset="awd-smoke")
     assert code == 0, stderr
     assert {c["epochs"] for c in _cells(out).values()} == {1}
 
     code, stdout, stderr = _run(
-        env, *flags, preset="awd-smoke"
+        *flags, preset="awd-smoke"
     )  # the preset's 2 epochs: each cell resumes
     assert code == 0, stderr
     assert stderr.count("resumed") == 2
@@ -250,17 +247,17 @@ def test_finished_cells_are_skipped_and_a_longer_budget_resumes_them(env, awd_sm
         np.testing.assert_allclose(cell["test_ppl"], want[key]["test_ppl"], rtol=1e-5)
 
     # Nothing left to do, also with settings that change only how a cell computes.
-    code, stdout, stderr = _run(env, *flags, "--memory_budget_mib", "1", preset="awd-smoke")
+    code, stdout, stderr = _run(*flags, "--memory_budget_mib", "1", preset="awd-smoke")
     assert code == 0, stderr
     assert "resumed" not in stderr and "epoch 1/" not in stderr
 
 
-def test_a_failing_cell_is_recorded_and_the_others_finish(env, tmp_path):
+def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path):
     out = tmp_path / "study"
     blocked = out / "cells" / "mos-d4-s1"
     blocked.mkdir(parents=True)
     (blocked / "config.json").write_text(json.dumps({"experiment": "synthetic"}))
-    code, stdout, stderr = _run(env, "--rank_d", "None", "--out_dir", str(out))
+    code, stdout, stderr = _run("--rank_d", "None", "--out_dir", str(out))
     assert code == 1
     assert "cell mos-d4-s1 failed" in stderr and "holds a run of synthetic" in stderr
     cells = _cells(out)
@@ -401,10 +398,10 @@ def test_cost_is_the_ratio_to_softmax_seed_by_seed():
     assert mos_32["s_per_epoch"] is None and report._table_row(mos_32, 1)["s/epoch"] == "—"
 
 
-def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke, tmp_path):
+def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(smoke, tmp_path):
     reference, _ = smoke
     out = tmp_path / "report"
-    code, stdout, stderr = _run(env, "--heads", "softmax", "sigsoftmax", "mos", "--rank_d", "None",
+    code, stdout, stderr = _run("--heads", "softmax", "sigsoftmax", "mos", "--rank_d", "None",
                                 "--results_csv", str(reference / "rows.csv"), "--report_only",
                                 "--out_dir", str(out))  # fmt: skip
     assert code == 0, stderr
@@ -416,7 +413,7 @@ def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(env, smoke,
         "done",
         "pending",
     }
-    code, _, stderr = _run(env, "--report_only", "--out_dir", str(tmp_path / "x"))
+    code, _, stderr = _run("--report_only", "--out_dir", str(tmp_path / "x"))
     assert code == 2 and "report_only reads --results_csv" in stderr
 
 

@@ -1,9 +1,8 @@
-"""experiments/rank.py: the random-head smoke preset in a subprocess, model mode and CLI errors."""
+"""experiments/rank.py: the random-head smoke preset, model mode and CLI errors, in this process."""
 
 import csv
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from bottleneck import spectrum_streaming as ss
+from tests.script_runs import run_main
 from tests.usage import plain
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "rank.py"
@@ -30,27 +30,21 @@ def rank_script():
 
 
 @pytest.fixture(scope="module")
-def smoke(env, tmp_path_factory):
+def smoke(rank_script, tmp_path_factory):
+    """The smoke preset's folder and stdout."""
     out_dir = tmp_path_factory.mktemp("rank_smoke")
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "smoke", "--out_dir", str(out_dir)],
-        cwd=SCRIPT.parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    return out_dir, result
+    code, stdout, stderr = run_main(rank_script.main, "smoke", "--out_dir", str(out_dir))
+    assert code == 0, stderr
+    return out_dir, stdout
 
 
 def test_random_smoke_writes_files(smoke):
-    out_dir, result = smoke
+    out_dir, stdout = smoke
     for name in ["config.json", "results.json", "results.csv", "metrics.jsonl"]:
         assert (out_dir / name).stat().st_size > 0, name
     for name in ["rank_vs_d.png", f"spectra_d{max(SMOKE_DIMS)}.png"]:
         assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-    assert "| head" in result.stdout and "numerical_rank" in result.stdout
+    assert "| head" in stdout and "numerical_rank" in stdout
     with (out_dir / "results.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 8 * len(SMOKE_DIMS)
 

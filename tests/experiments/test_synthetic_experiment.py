@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import synthetic
+from tests.script_runs import run_main
 from tests.usage import plain
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -25,15 +26,18 @@ def _run(*args):
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
+    """The smoke preset twice: as a command (the page's tests read its output), then in this
+    process (tests/script_runs.py), so that equal results are equal across two processes."""
     out = [tmp_path_factory.mktemp(f"synthetic{i}") for i in range(2)]
-    results = [_run("smoke", "--out_dir", str(o)) for o in out]
-    for result in results:
-        assert result.returncode == 0, result.stderr
-    return out, results
+    result = _run("smoke", "--out_dir", str(out[0]))
+    assert result.returncode == 0, result.stderr
+    code, _, stderr = run_main(synthetic.main, "smoke", "--out_dir", str(out[1]))
+    assert code == 0, stderr
+    return out, [result]
 
 
 def test_smoke_preset_writes_results_table_and_plot(smoke_runs):
-    (out, _), (result, _) = smoke_runs[0], smoke_runs[1]
+    (out, _), (result,) = smoke_runs
     for name in (
         "results.json",
         "results.md",
@@ -143,15 +147,13 @@ def test_another_experiments_folder_and_a_file_are_refused_in_one_line(tmp_path)
     run.mkdir()
     config = json.dumps({"experiment": "language_model", "config": {}})
     (run / "config.json").write_text(config)
-    result = _run("smoke", "--out_dir", str(run))
-    assert result.returncode == 2
-    assert "holds a run of language_model, not of synthetic" in result.stderr
-    assert "Traceback" not in result.stderr
+    code, _, stderr = run_main(synthetic.main, "smoke", "--out_dir", str(run))
+    assert code == 2
+    assert "holds a run of language_model, not of synthetic" in stderr
     assert (run / "config.json").read_text() == config  # untouched
     (tmp_path / "file").write_text("x")
-    result = _run("smoke", "--out_dir", str(tmp_path / "file"))
-    assert result.returncode == 2 and "exists and is not a folder" in result.stderr
-    assert "Traceback" not in result.stderr
+    code, _, stderr = run_main(synthetic.main, "smoke", "--out_dir", str(tmp_path / "file"))
+    assert code == 2 and "exists and is not a folder" in stderr
 
 
 def test_ctrl_c_keeps_the_finished_runs_and_a_rerun_goes_on_from_them(tmp_path):
@@ -178,17 +180,15 @@ def test_ctrl_c_keeps_the_finished_runs_and_a_rerun_goes_on_from_them(tmp_path):
     title = (out / "results.md").read_text().splitlines()[0]
     assert title.endswith("partial (1 of the grid's 2 runs to go)")
     assert (out / "synthetic_alpha0.01.png").stat().st_size > 0
-    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-    assert rerun.returncode == 0, rerun.stderr
-    assert f"resuming {out}: 1 runs recorded, 1 to go" in rerun.stdout
+    code, stdout, stderr = run_main(synthetic.main, *args[2:])  # the rerun: in this process
+    assert code == 0, stderr
+    assert f"resuming {out}: 1 runs recorded, 1 to go" in stdout
     runs = json.loads(results.read_text())["runs"]
     assert [r["seed"] for r in runs] == [0, 1] and runs[0] == kept[0]
     assert "partial" not in (out / "results.md").read_text().splitlines()[0]
     before = results.read_text()
-    other = subprocess.run(
-        [*args, "--num_outcomes", "65"], cwd=ROOT, capture_output=True, text=True
-    )
-    assert other.returncode == 2 and "num_outcomes: 64 -> 65" in other.stderr
+    code, _, stderr = run_main(synthetic.main, *args[2:], "--num_outcomes", "65")
+    assert code == 2 and "num_outcomes: 64 -> 65" in stderr
     assert results.read_text() == before
 
 
