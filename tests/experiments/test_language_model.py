@@ -343,33 +343,31 @@ MIXTURE = (*TRANSFORMER, "--head", "mos", "--no-dynamic_eval")
 
 @pytest.fixture(scope="module")
 def transformer_runs(env, tmp_path_factory):
-    """Transformer smoke runs: softmax, mos, and mos on ``--mesh vocab=8`` (12 words padded to
-    16 rows) stopped at step 4 (epoch 2) and resumed, all concurrently but the resumed one."""
+    """Transformer smoke runs: softmax and mos in this process, while mos on ``--mesh vocab=8``
+    (12 words padded to 16 rows; a subprocess of 8 devices) is stopped at step 4 (epoch 2) and
+    resumed."""
     root = tmp_path_factory.mktemp("transformer")
     mesh_env = {
         **env, "XLA_FLAGS": f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count=8"
     }  # fmt: skip
     mesh_args = [*MIXTURE, "--mesh", "vocab=8", "--out_dir", str(root / "mesh")]
 
-    def start(args, environment=env, script=(str(SCRIPT),)):
+    def start(*args):
         return subprocess.Popen(
-            [sys.executable, *script, *args],
-            cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, *args],
+            cwd=ROOT, env=mesh_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
-    runs = {
-        "softmax": start([*TRANSFORMER, "--out_dir", str(root / "softmax")]),
-        "mos": start([*MIXTURE, "--out_dir", str(root / "mos")]),
-        "stopped": start(["4", *mesh_args], mesh_env, ("-c", STOPPED_AT_STEP)),
-    }
-    stopped = runs.pop("stopped")
+    stopped = start("-c", STOPPED_AT_STEP, "4", *mesh_args)
+    for head, args in (("softmax", TRANSFORMER), ("mos", MIXTURE)):
+        code, _, stderr = _run(*args, "--out_dir", str(root / head))
+        assert code == 0, stderr[-3000:]
     _, stderr = stopped.communicate(timeout=300)
     assert stopped.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    runs["resumed"] = start(mesh_args, mesh_env)
-    outputs = {name: process.communicate(timeout=300) for name, process in runs.items()}
-    for name, process in runs.items():
-        assert process.returncode == 0, outputs[name][1][-3000:]
-    assert "at epoch 2, window" in outputs["resumed"][1]
+    resumed = start(str(SCRIPT), *mesh_args)
+    _, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert "at epoch 2, window" in stderr
     return root
 
 
