@@ -1,8 +1,9 @@
 """Sharded heads and training on 8 fake CPU devices, and two processes with jax.distributed.
 
 JAX fixes its device count when it starts, so the multi-device checks run in subprocesses with
-``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (tests/sharding_cases.py and
-tests/multihost_worker.py); this module only reads their results.
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (tests/sharding_cases.py,
+tests/multihost_worker.py and the language model's runs on a mesh); this module reads their
+results. The language model's one-device reference runs in this process.
 """
 
 import json
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 
 from bottleneck.sharding import padded_vocab_size, parse_mesh_spec
+from experiments import language_model
 from tests.head_combos import PAIRWISE_COMBOS
+from tests.script_runs import run_main
 
 TESTS = pathlib.Path(__file__).resolve().parent
 TOLERANCE = 1e-5
@@ -93,7 +96,8 @@ def _finish(process):
 
 @pytest.fixture(scope="module")
 def lm_runs(tmp_path_factory):
-    """The LM smoke preset on one device and on two 8-device meshes (all run concurrently).
+    """The LM smoke preset on two 8-device meshes (subprocesses) and, meanwhile, on this
+    process's one device (tests/script_runs.py).
 
     The data=2,vocab=4 run stops after 2 epochs and is resumed from its checkpoint for the
     third, so restoring onto a mesh is covered too.
@@ -101,10 +105,11 @@ def lm_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_mesh")
     resumed = root / "data=2,vocab=4"
     runs = [
-        _lm_run(root / "one_device", 1),
         _lm_run(root / "vocab=8", 8, "--mesh", "vocab=8"),
         _lm_run(resumed, 8, "--mesh", "data=2,vocab=4", "--epochs", "2"),
     ]
+    code, _, stderr = run_main(language_model.main, *LM_ARGS, "--out_dir", str(root / "one_device"))
+    assert code == 0, stderr[-3000:]
     _finish(runs.pop())
     resume = _lm_run(resumed, 8, "--mesh", "data=2,vocab=4")
     assert "at epoch 3, window 0" in _finish(resume)
