@@ -9,6 +9,7 @@ import csv
 import dataclasses
 import json
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def test_cells_recorded_in_the_results_csv_are_not_run_again(smoke, tmp_path):
     rows = tmp_path / "rows.csv"
     shutil.copy(reference / "rows.csv", rows)
     hooked = tmp_path / "hook.log"  # the hook is a child process: it writes there
-    hook = ("--after_cell", f"echo ran $CELL >> {hooked}")
+    hook = ("--after_cell", f"echo ran $CELL >> {shlex.quote(str(hooked))}")
     ran = lambda: hooked.read_text().split("\n")[:-1] if hooked.exists() else []  # noqa: E731
     out = tmp_path / "study"  # no cell folders: the rows alone say the cells are done
     code, stdout, stderr = _run("--rank_d", "None", "--out_dir", str(out),
