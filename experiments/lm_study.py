@@ -77,8 +77,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
 from bottleneck.runs import (
     RunDir,
     RunFolderError,
@@ -104,8 +102,6 @@ from bottleneck.runs.lm_study import (
 from bottleneck.runs.lm_study_report import write_report
 from bottleneck.runs.log_prob_spectrum import SpectrumOptions, write_log_prob_spectrum
 from bottleneck.runs.run_loop import TrainingDiverged
-
-matplotlib.use("Agg")
 
 # ----------------------------------------------------------------------------------------------
 

@@ -13,10 +13,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import numpy as np
 
-from bottleneck.runs.cli import markdown_table
+from bottleneck.runs.cli import markdown_table, pyplot
 from bottleneck.runs.folder import RunDir
 from bottleneck.runs.lm_study import (
     CONVERGED_IMPROVEMENT,
@@ -34,11 +33,6 @@ from bottleneck.runs.statistics import (
     paired_t,
     seeds_needed,
 )
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.ticker import FormatStrFormatter  # noqa: E402
 
 
 def main_device(rows: list[dict[str, Any]]) -> str:
@@ -947,6 +941,7 @@ def plot_vs_d(table: list[dict[str, Any]], config: Config, path: Path) -> None:
     a line per head, error bars the std over seeds on the left and the paired 95% interval of
     the mean gain on the right (each seed's gain a hollow circle beside its bar). The heads sit slightly apart along d
     so that their error bars do not hide one another."""
+    plt = pyplot()
     fig, (ax, gain_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {head: f"C{i}" for i, head in enumerate(config.heads)}
     for i, head in enumerate(config.heads):
@@ -1012,6 +1007,10 @@ def _seed_line_style(config: Config, seed: int) -> str:
 
 
 def plot_curves(curves: dict[tuple[str, int, int], list], config: Config, path: Path) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FormatStrFormatter
+
+    plt = pyplot()
     fig, axes = plt.subplots(
         1, len(config.ds), figsize=(4.2 * len(config.ds), 3.8), squeeze=False, sharey=False
     )

@@ -12,14 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import matplotlib
 import numpy as np
 
 from bottleneck import spectrum_streaming as ss
+from bottleneck.runs.cli import pyplot
 from bottleneck.runs.folder import RunDir
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -117,6 +114,7 @@ def plot_model_spectrum(
 ) -> None:
     """spectrum.png (Kanai Fig. 1): singular value against index, log y; d + 2 dashed."""
     values = spectrum.singular_values
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     index = np.arange(1, values.size + 1)
     positive = values > 0  # log axis: exact zeros (clipped round-off) cannot be drawn

@@ -11,8 +11,9 @@ import math
 from typing import Any
 
 import numpy as np
-from scipy import optimize, stats
 
+# scipy.stats and scipy.optimize are imported by the functions that use them: at the top they
+# would cost every start of the study script, its --help included, ~0.5 s of CPU.
 # Two-sided tests at this level, intervals at 1 - ALPHA, and the power
 # the design is judged by.
 ALPHA = 0.05
@@ -30,6 +31,8 @@ def paired_t(gains: list[float] | np.ndarray, alpha: float = ALPHA) -> dict[str,
       >>> round(t["ci_low"], 3), round(t["ci_high"], 3), round(t["p"], 4)  # t = 2.646 on 2 df
       (-1.461, 6.128, 0.1181)
     """
+    from scipy import stats
+
     gains = np.asarray(gains, dtype=float)
     n = len(gains)
     if n < 2:
@@ -70,6 +73,8 @@ def paired_power(effect: float, spread: float, n: int, alpha: float = ALPHA) -> 
       >>> round(paired_power(0.0, 1.0, 3), 3)  # no effect: the test's own level
       0.05
     """
+    from scipy import stats
+
     if not spread > 0 or n < 2:
         raise ValueError(f"the power needs a spread > 0 and n >= 2 pairs, got {spread}, {n}")
     df, noncentrality = n - 1, effect * math.sqrt(n) / spread
@@ -88,6 +93,8 @@ def detectable_gain(spread: float, n: int, alpha: float = ALPHA, power: float = 
       >>> round(detectable_gain(1.0, 3), 2)  # n = 3: 3.26 times the spread
       3.26
     """
+    from scipy import optimize
+
     return float(
         optimize.brentq(lambda e: paired_power(e, spread, n, alpha) - power, 0.0, 100.0 * spread)
     )
@@ -131,6 +138,8 @@ def gain_trend(
       >>> round(trend["slope"], 3), round(trend["ci_low"], 2), round(trend["ci_high"], 2)
       (-1.167, -3.06, 0.73)
     """
+    from scipy import stats
+
     by_seed: dict[int, list[tuple[float, float]]] = {}
     for d, gain, seed in zip(ds, gains, seeds, strict=True):
         by_seed.setdefault(seed, []).append((math.log2(d), gain))
