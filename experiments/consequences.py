@@ -59,19 +59,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 from flax import nnx
 
 import bottleneck as bn
-from bottleneck.runs import UsageError, code_commit, markdown_table, parse_config, progress
+from bottleneck.runs import UsageError, code_commit, markdown_table, parse_config, progress, pyplot
 from bottleneck.runs import rows as store
 from bottleneck.runs.cli import Checked, Count, one_line_errors
 from bottleneck.runs.folder import results_page
 from bottleneck.runs.language_model import head_inputs, load_run, validation_windows
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 # The [M, d] Jacobians of 64 positions at a time.
 gradient_ratios = nnx.jit(functools.partial(bn.head_gradient_ratio, batch_size=64))
@@ -400,6 +396,7 @@ def plot_count_gaps(gaps: list[dict[str, Any]], path: Path) -> None:
     ds = sorted({entry["d"] for entry in gaps})
     heads = list(dict.fromkeys(entry["head"] for entry in gaps))
     groups = list(dict.fromkeys(entry["group"] for entry in gaps))
+    plt = pyplot()
     fig, axes = plt.subplots(
         1, len(ds), figsize=(1.5 + 4.5 * len(ds), 4), sharey=True, squeeze=False
     )

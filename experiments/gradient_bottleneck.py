@@ -40,7 +40,7 @@ from flax import nnx
 import bottleneck as bn
 from bottleneck.data import batchify
 from bottleneck.nn.presets import HeadName
-from bottleneck.runs import language_model, markdown_table, open_run, parse_config, progress
+from bottleneck.runs import language_model, markdown_table, open_run, parse_config, progress, pyplot
 from bottleneck.runs import rows as store
 from bottleneck.runs.cli import Checked, Count, one_line_errors
 from bottleneck.runs.folder import config_changes, to_jsonable
@@ -145,11 +145,7 @@ def train_head(config: Config, head: str) -> dict[str, Any]:
 
 
 def plot(curves: list[dict[str, Any]], path: Path, d: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, curve in enumerate(curves):
         steps = [p["step"] for p in curve["points"]]

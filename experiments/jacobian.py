@@ -39,7 +39,7 @@ from flax import nnx
 
 import bottleneck as bn
 from bottleneck.nn.moe import DenseMoE
-from bottleneck.runs import RunDir, markdown_table, open_run, parse_config, progress
+from bottleneck.runs import RunDir, markdown_table, open_run, parse_config, progress, pyplot
 from bottleneck.runs.cli import Checked, Count
 
 
@@ -125,11 +125,7 @@ def mean_jacobian_singular_values(f: Callable[[jax.Array], jax.Array], xs: jax.A
 
 def plot_spectra(layers: list[dict], title: str, path: str) -> None:
     """Orhan's figures side by side: mean singular value against its index, one line per layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # Files only; no display needed.
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     ks = sorted({layer["K"] for layer in layers if layer["gates"] != "none"})
     colours = {k: plt.cm.viridis(i / max(len(ks) - 1, 1)) for i, k in enumerate(ks)}

@@ -57,7 +57,6 @@ from typing import Annotated, Literal
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 from flax import nnx
 
@@ -66,7 +65,15 @@ from bottleneck import nn
 from bottleneck import spectrum_streaming as ss
 from bottleneck.nn import HEAD_NAMES, make_head
 from bottleneck.nn.presets import HeadName
-from bottleneck.runs import RunDir, UsageError, markdown_table, open_run, parse_config, progress
+from bottleneck.runs import (
+    RunDir,
+    UsageError,
+    markdown_table,
+    open_run,
+    parse_config,
+    progress,
+    pyplot,
+)
 from bottleneck.runs.cli import (
     Checked,
     Count,
@@ -76,9 +83,6 @@ from bottleneck.runs.cli import (
     one_line_errors,
 )
 from bottleneck.runs.log_prob_spectrum import SpectrumOptions, write_log_prob_spectrum
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +232,7 @@ def run_random(config: Config, run: RunDir) -> list[dict]:
 
 def plot_rank_vs_d(rows: list[dict], config: Config, run: RunDir) -> None:
     """rank_vs_d.png: numerical rank against d, one line per head; d + 2 dashed."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for head in config.heads:
         mine = sorted((r for r in rows if r["head"] == head), key=lambda r: r["d"])
@@ -249,7 +254,7 @@ def plot_rank_vs_d(rows: list[dict], config: Config, run: RunDir) -> None:
 
 def plot_random_spectra(rows: list[dict], config: Config, run: RunDir) -> None:
     """spectra_d{d}.png for the largest d: sigma_i / sigma_1 against i, log scale, per head."""
-    dim = max(config.dims)
+    dim, plt = max(config.dims), pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for row in (r for r in rows if r["d"] == dim):
         values = np.asarray(row["singular_values"])

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Annotated
 
 import jax
-import matplotlib
 import numpy as np
 from flax import nnx
 
@@ -43,7 +42,7 @@ from bottleneck import nn
 from bottleneck.data.synthetic import dirichlet_targets, expected_cross_entropy, synthetic_metrics
 from bottleneck.nn.models import ContextEmbeddingModel
 from bottleneck.nn.presets import HeadName
-from bottleneck.runs import UsageError, markdown_table, open_run, parse_config, progress
+from bottleneck.runs import UsageError, markdown_table, open_run, parse_config, progress, pyplot
 from bottleneck.runs.cli import Checked, Count, Interval, Positive, one_line_errors
 from bottleneck.runs.folder import StopSignals, TrainingInterrupted, check_resumable
 from bottleneck.sharding import (
@@ -54,9 +53,6 @@ from bottleneck.sharding import (
     use_mesh,
 )
 from bottleneck.train import Trainer, make_optimizer
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +244,7 @@ def page(summary: list[dict], rows: list[dict], seeds: tuple[int, ...]) -> str:
 
 def plot(summary: list[dict], run, heads: tuple[str, ...]) -> list:
     """One PNG per alpha: mode matching and KL against d, one line per head (the slides' figure)."""
-    paths = []
+    paths, plt = [], pyplot()
     for alpha in sorted({row["alpha"] for row in summary}):
         fig, (ax_mode, ax_kl) = plt.subplots(1, 2, figsize=(11, 4.2))
         for head in heads:

@@ -16,7 +16,7 @@ experiment.
 ``experiments/`` are presets and ``main`` over both.
 """
 
-from bottleneck.runs.cli import Checked, markdown_table, parse_config, progress
+from bottleneck.runs.cli import Checked, markdown_table, parse_config, progress, pyplot
 from bottleneck.runs.folder import (
     RunDir,
     RunFolderError,
@@ -38,5 +38,6 @@ __all__ = [
     "open_run",
     "parse_config",
     "progress",
+    "pyplot",
     "results_page",
 ]
