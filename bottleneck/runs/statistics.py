@@ -14,6 +14,7 @@ import numpy as np
 
 # scipy.stats and scipy.optimize are imported by the functions that use them: at the top they
 # would cost every start of the study script, its --help included, ~0.5 s of CPU.
+
 # Two-sided tests at this level, intervals at 1 - ALPHA, and the power
 # the design is judged by.
 ALPHA = 0.05

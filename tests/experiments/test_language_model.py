@@ -4,9 +4,10 @@ The run loop itself (resuming, stop signals, divergence, finetuning, early stopp
 with a tiny model in tests/runs/test_run_loop.py. The runs here share one persistent JAX
 compilation cache of the test run (tests/conftest.py), so only the first compiles; they run in
 the test's process (tests/script_runs.py) but for those about the process (a signal, a full
-disk, a mesh of 8 devices), which are subprocesses. The Transformer's runs: a plain and a mixture head on one device, and the mixture head on a
-vocabulary-parallel mesh of 8 CPU devices stopped by SIGTERM mid-epoch and resumed (that
-comparison is tests/test_sharding.py's for the AWD-LSTM; the one-device run it needs is here).
+disk, a mesh of 8 devices), which are subprocesses. The Transformer's runs: a plain and a
+mixture head on one device, and the mixture head on a vocabulary-parallel mesh of 8 CPU devices
+stopped by SIGTERM mid-epoch and resumed (that comparison is tests/test_sharding.py's for the
+AWD-LSTM; the one-device run it needs is here).
 """
 
 import dataclasses
