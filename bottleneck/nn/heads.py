@@ -188,8 +188,10 @@ class ProjectedEmbedding(nnx.Module):
 
     Reading it reads the product: ``decoder[...]`` is ``E Q`` ``[rows, d']`` (in the parameters'
     dtype) and ``decoder.shape`` is ``(rows, d')``, so whatever reads a head's ``decoder`` reads
-    ``W``. Each read multiplies again (``rows e d'`` multiply-adds, ``e / C`` of a chunk of ``C``
-    tokens' logits). On a mesh the table keeps its split on ``vocab`` and ``Q`` (no annotation)
+    ``W``. Each read multiplies again (``rows e d'`` multiply-adds), so a head's loss reads it
+    once per call, before its chunk loop: the loop accumulates ``W``'s gradient, and ``E`` and
+    ``Q`` get theirs in one product each (per chunk, the product and its two transposes cost
+    about as much as the chunk's own logits at ``e = 128``, ``C = 108``). On a mesh the table keeps its split on ``vocab`` and ``Q`` (no annotation)
     is replicated, so each device's product is its rows of ``W``, split like a decoder.
 
     Args:
@@ -638,15 +640,24 @@ class OutputHead(nnx.Module):
 
         def local(head, h, labels, where, constants, *, vocab, data_axis, devices):
             graphdef, state = nnx.split(head)
-            derived = head.has_loss_tables
+            # A decoder E Q is multiplied out once per call, not in every chunk: its gradient
+            # then accumulates as W's over the chunks and reaches E and Q in one product each.
+            product = isinstance(head.decoder, ProjectedEmbedding)
+            derived = product or head.has_loss_tables
+
+            def merged(state, decoder):
+                head = nnx.merge(graphdef, state)
+                if decoder is not None:
+                    head.decoder = nnx.Param(decoder)
+                return head
 
             def with_tables(state):
-                return state, nnx.merge(graphdef, state).loss_tables(vocab)
+                decoder = nnx.merge(graphdef, state).decoder[...] if product else None
+                return state, decoder, merged(state, decoder).loss_tables(vocab)
 
             def token_log_probs(prepared, h, labels, constants=None):
-                state, tables = prepared if derived else (prepared, None)
-                head = nnx.merge(graphdef, state)
-                return head.token_log_probs(
+                state, decoder, tables = prepared if derived else (prepared, None, None)
+                return merged(state, decoder).token_log_probs(
                     h, labels, constants, vocab=vocab, reverse_only=True, tables=tables
                 )
 

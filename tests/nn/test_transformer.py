@@ -20,6 +20,7 @@ import bottleneck as bn
 from bottleneck import nn
 from bottleneck.losses import chunk_size_for_budget
 from bottleneck.nn import Transformer
+from bottleneck.nn.heads import ProjectedEmbedding
 from bottleneck.nn.transformer import (
     TransformerLanguageModel,
     causal_attention,
@@ -375,20 +376,39 @@ def test_the_fixed_trunks_head_keeps_its_bottleneck(head):
     check_the_bottleneck(model, head, d)
 
 
-def test_the_fixed_trunks_mixtape_with_shared_gates_has_the_exact_chunked_loss():
-    """The study's Mixtape: shared gates decoding W = E Q. Its loss reads the decoder's rows
-    gathered once per call (``loss_tables``); in many chunks, the loss and every gradient (E's
-    and Q's through the product) equal the cross-entropy of the full log-probabilities."""
-    counts = (np.arange(V) * 7) % 5  # 9 of 24 words keep their own gate, in no order of id
+FIXED_TRUNK_HEADS = {
+    "softmax": {},
+    "plif": {"num_knots": 50},
+    "mos": {"num_components": 2},
+    "mixtape": {"num_components": 4},
+    # The study's Mixtape: 9 of 24 words keep their own gate, in no order of id.
+    "mixtape_shared": {
+        "num_components": 4, "token_counts": (np.arange(V) * 7) % 5, "shared_gate_below": 3,
+    },
+}  # fmt: skip
+
+
+def _fixed_trunk_head(name):
+    options = FIXED_TRUNK_HEADS[name]
     model = build(
-        head="mixtape", head_features=4, embedding_features=D, num_components=4,
-        token_counts=counts, shared_gate_below=3, memory_budget=300,
+        head=name.removesuffix("_shared"), head_features=4, embedding_features=D,
+        memory_budget=300 * (1 + options.get("num_components", 1)), **options,
     )  # fmt: skip
+    assert isinstance(model.head.decoder, ProjectedEmbedding)
+    assert chunk_size_for_budget(18, model.head.elements_per_token, 300) < 18  # chunks
+    return model.head
+
+
+@pytest.mark.parametrize("name", FIXED_TRUNK_HEADS)
+def test_the_fixed_trunks_heads_have_the_exact_chunked_loss(name):
+    """Every head decoding W = E Q: its loss multiplies E Q out once per call, before the
+    chunk loop (and Mixtape with shared gates gathers the product's rows once); in many
+    chunks, the loss and every gradient (E's and Q's through the product) equal the
+    cross-entropy of the full log-probabilities."""
+    head = _fixed_trunk_head(name)
     h = jax.random.normal(jax.random.key(0), (2, 9, 4))
     labels = jax.random.randint(jax.random.key(1), (2, 9), 0, V)
-    graphdef, state = nnx.split(model.head)
-    assert model.head.has_loss_tables
-    assert chunk_size_for_budget(18, model.head.elements_per_token, 300) < 18  # chunks
+    graphdef, state = nnx.split(head)
 
     def value_and_grads(loss):
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, h)
@@ -399,6 +419,40 @@ def test_the_fixed_trunks_mixtape_with_shared_gates_has_the_exact_chunked_loss()
     )
     np.testing.assert_allclose(chunked, full, rtol=1e-6)
     chex.assert_trees_all_close(chunked_grads, full_grads, rtol=1e-5, atol=1e-6)
+
+
+def _loop_products(jaxpr, in_loop=False):
+    """The operand shapes of every dot_general inside a loop's body (scan, while), nested
+    included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and in_loop:
+            found.append(tuple(v.aval.shape for v in eqn.invars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    found += _loop_products(
+                        inner, in_loop or eqn.primitive.name in ("scan", "while")
+                    )
+    return found
+
+
+@pytest.mark.parametrize("name", FIXED_TRUNK_HEADS)
+def test_the_chunk_loop_never_multiplies_e_by_q(name):
+    """The product W = E Q and its transposes (dE = dW Q^T, dQ = E^T dW) run once per call,
+    outside the chunk loop: no product in the loop reads the table E [V, D]."""
+    head = _fixed_trunk_head(name)
+    h = jnp.zeros((2, 9, 4))
+    labels = jnp.zeros((2, 9), jnp.int32)
+    graphdef, state = nnx.split(head)
+    jaxpr = jax.make_jaxpr(
+        jax.value_and_grad(lambda s, h: nnx.merge(graphdef, s).loss(h, labels), argnums=(0, 1))
+    )(state, h)
+    products = _loop_products(jaxpr.jaxpr)
+    assert products  # the loop was found: its logits are products
+    table = (V, D)
+    assert not [p for p in products if table in p or table[::-1] in p], products
 
 
 def test_the_fixed_trunks_decoder_is_e_q_and_both_train():
