@@ -8,9 +8,11 @@ the median of per-repetition ratios, which is robust to a noisy repetition that 
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -135,3 +137,55 @@ def write_results(
         else (f"Benchmark results: `benchmarks/results/{path.with_suffix('.md').name}`", markdown)
     )
     path.with_suffix(".md").write_text(results_page(title, body, commit=commit))
+
+
+class Worker:
+    """``python SCRIPT --worker ARGS...`` with the library of the checkout at ``root``.
+
+    The A/B benchmarks time two versions of the code in one run: a package cannot be imported
+    twice in one process, so each version answers in a process of its own (``PYTHONPATH=root``)
+    while the parent interleaves the calls. The protocol: the parent writes one case per line;
+    the worker answers each with one JSON line.
+    """
+
+    def __init__(self, root: Path, script: str, *args: object):
+        path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
+        self.process = subprocess.Popen(
+            [sys.executable, script, "--worker", *map(str, args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+
+    def ask(self, case: str) -> dict[str, Any]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(case + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer:
+            raise SystemExit(f"a worker died on {case} (its error is above)")
+        return json.loads(answer)
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait()
+
+
+def commit_of(root: Path) -> str:
+    """The commit of the checkout at ``root`` (``-dirty`` with uncommitted code), or ``unknown``
+    when ``root`` is not the top of a git checkout (a copy, e.g. ``git archive``)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    if Path(git("rev-parse", "--show-toplevel") or "/nonexistent").resolve() != root.resolve():
+        return "unknown"
+    # Results written beside the scripts are not code.
+    code = ("bottleneck", "experiments", "benchmarks", ":!benchmarks/results")
+    dirty = git("status", "--porcelain", "--", *code)
+    return git("rev-parse", "--short=12", "HEAD") + ("-dirty" if dirty else "")

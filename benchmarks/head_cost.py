@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +39,7 @@ from typing import Any
 
 import numpy as np
 from _shapes import HEADS, cost_head, loss_and_gradients, token_counts
-from _timing import machine_info, median_ratio, write_results
+from _timing import Worker, commit_of, machine_info, median_ratio, write_results
 
 SHAPES = {  # name: (tokens, d, vocabulary)
     "study32": (2048, 32, 10_000),
@@ -88,50 +86,6 @@ def worker(counts_path: str, threshold: float) -> None:
         print(json.dumps({"ms": 1e3 * (time.perf_counter() - start)}), flush=True)
 
 
-class Worker:
-    """A worker process running the code of ``root``."""
-
-    def __init__(self, root: Path, counts_path: Path, threshold: float):
-        path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path}
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(counts_path), str(threshold)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-
-    def ask(self, case: str) -> dict[str, Any]:
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(case + "\n")
-        self.process.stdin.flush()
-        answer = self.process.stdout.readline()
-        if not answer:
-            raise SystemExit(f"a worker died on {case} (its error is above)")
-        return json.loads(answer)
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        self.process.wait()
-
-
-def commit_of(root: Path) -> str:
-    """The commit of the checkout at ``root`` (``-dirty`` with uncommitted code), or ``unknown``
-    when ``root`` is not the top of a git checkout (a copy, e.g. ``git archive``)."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(root), *args], capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    if Path(git("rev-parse", "--show-toplevel") or "/nonexistent").resolve() != root.resolve():
-        return "unknown"
-    dirty = git("status", "--porcelain", "--", "bottleneck", "experiments", "benchmarks")
-    return git("rev-parse", "--short=12", "HEAD") + ("-dirty" if dirty else "")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     here = Path(__file__).resolve().parent.parent
     versions = {"now": here}
@@ -143,7 +97,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     np.save(counts_path, counts)
     cases = [f"{head}@{shape}" for shape in args.shapes for head in args.heads]
     workers = {
-        name: Worker(root, counts_path, args.shared_gate_below) for name, root in versions.items()
+        name: Worker(root, __file__, counts_path, args.shared_gate_below)
+        for name, root in versions.items()
     }
     built = {(v, c): w.ask(c) for c in cases for v, w in workers.items()}
     times: dict[str, dict[str, list[float]]] = {v: {c: [] for c in cases} for v in versions}

@@ -15,15 +15,24 @@ Run from the repository root (about 5 minutes on 2 cores, alone on the machine):
 
     python benchmarks/study_step.py [--heads softmax,mos,mixtape_shared] [--ds 16,32,64,128]
         [--repeats 5] [--data_dir PTB_DIR] [--shared-gate-below 100] [--memory-budget-mib 32]
-        [--embedding factorized|fixed]
+        [--embedding factorized|fixed] [--baseline OTHER_CHECKOUT]
         [--out benchmarks/results/study_step.json]
+
+``--baseline DIR`` (e.g. ``git worktree add /tmp/baseline COMMIT``) times every cell's step with
+that checkout's library too, in the same run: each version in a worker process of its own
+(``_timing.Worker``), the calls interleaved, and the table gains each cell's ratio to itself
+there.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import statistics
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +40,9 @@ from typing import Any
 import numpy as np
 from _shapes import random_window, token_counts
 from _timing import (
+    CHECKOUT,
+    Worker,
+    commit_of,
     machine_info,
     markdown_table,
     median_ratio,
@@ -82,7 +94,62 @@ def step_call(
     return call
 
 
+def worker(counts_path: str, shared_gate_below: str, budget: str, embedding: str) -> None:
+    """Reads cells ``head@d`` on stdin; answers the first ask of each with ``{}`` (built and
+    compiled) and every later one with one step's milliseconds, as a JSON line each."""
+    import jax
+
+    counts = np.load(counts_path)
+    data = lm_study.Config().trunk.data
+    window = random_window(VOCAB, data.batch_size, data.bptt)
+    calls: dict[str, Callable[[], Any]] = {}
+    for line in sys.stdin:
+        cell = line.strip()
+        if cell not in calls:
+            head, d = cell.split("@")
+            calls[cell] = step_call(
+                head, int(d), window, counts, float(shared_gate_below),
+                None if budget == "None" else float(budget), embedding,
+            )  # fmt: skip
+            jax.block_until_ready(calls[cell]())
+            print("{}", flush=True)
+            continue
+        start = time.perf_counter()
+        jax.block_until_ready(calls[cell]())
+        print(json.dumps({"ms": 1e3 * (time.perf_counter() - start)}), flush=True)
+
+
+def timed_by_workers(
+    args: argparse.Namespace, cells: list[str], counts: np.ndarray
+) -> dict[str, dict[str, list[float]]]:
+    """Each cell's step with this checkout's library and with ``--baseline``'s, each in a
+    worker process of its own, interleaved: ``{"now": times, "baseline": times}``."""
+    counts_path = args.out.with_suffix(".counts.npy")
+    counts_path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(counts_path, counts)
+    roots = {"now": CHECKOUT, "baseline": args.baseline.resolve()}
+    options = (counts_path, args.shared_gate_below, args.memory_budget_mib, args.embedding)
+    workers = {name: Worker(root, __file__, *options) for name, root in roots.items()}
+    times: dict[str, dict[str, list[float]]] = {name: {c: [] for c in cells} for name in roots}
+    order = [(name, cell) for cell in cells for name in roots]
+    with tqdm(total=len(order) * (args.repeats + 1), desc="study steps") as progress:
+        for name, cell in order:
+            workers[name].ask(cell)
+            progress.update()
+        for repetition in range(args.repeats):
+            for name, cell in order if repetition % 2 == 0 else reversed(order):
+                times[name][cell].append(workers[name].ask(cell)["ms"])
+                progress.update()
+    for w in workers.values():
+        w.close()
+    counts_path.unlink()
+    return times
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(*sys.argv[2:])
+        return
     study = lm_study.Config()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default=",".join(study.heads))
@@ -97,6 +164,9 @@ def main() -> None:
         "--embedding", choices=("factorized", "fixed"), default="factorized",
         help="the study's trunk: factorized (the first grid's) or fixed across d",
     )  # fmt: skip
+    parser.add_argument(
+        "--baseline", type=Path, help="a checkout whose library's steps run interleaved with these"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/study_step.json"))
     args = parser.parse_args()
     heads = [name.strip() for name in args.heads.split(",") if name.strip()]
@@ -112,41 +182,60 @@ def main() -> None:
         parser.error(f"--ds must be comma-separated integers, got {args.ds!r}")
     if any(d < 1 for d in ds):
         parser.error(f"--ds must be >= 1, got {args.ds!r}")
+    if args.baseline is not None and not (args.baseline / "bottleneck").is_dir():
+        parser.error(f"--baseline {args.baseline} has no bottleneck/ package")
 
     data = study.trunk.data
     steps_per_epoch = data.steps_per_epoch(np.zeros(PTB_TRAIN_TOKENS, np.int32), SEED)
-    window = random_window(VOCAB, data.batch_size, data.bptt)
     counts, counts_source = token_counts(args.data_dir, VOCAB)
-    calls = {
-        f"{head}@{d}": step_call(
-            head,
-            d,
-            window,
-            counts,
-            args.shared_gate_below,
-            args.memory_budget_mib,
-            args.embedding,
-        )  # fmt: skip
-        for d in ds
-        for head in heads
-    }
-    with tqdm(total=len(calls) * (args.repeats + 1), desc="study steps") as progress:
-        times = time_interleaved(calls, args.repeats, on_call=progress.update)
+    cells = [f"{head}@{d}" for d in ds for head in heads]
+    if args.baseline is None:
+        window = random_window(VOCAB, data.batch_size, data.bptt)
+        calls = {
+            cell: step_call(
+                cell.split("@")[0],
+                int(cell.split("@")[1]),
+                window,
+                counts,
+                args.shared_gate_below,
+                args.memory_budget_mib,
+                args.embedding,
+            )  # fmt: skip
+            for cell in cells
+        }
+        with tqdm(total=len(calls) * (args.repeats + 1), desc="study steps") as progress:
+            versions = {"now": time_interleaved(calls, args.repeats, on_call=progress.update)}
+        commits = {}  # write_results names the library this process imported
+    else:
+        versions = timed_by_workers(args, cells, counts)
+        commits = {"now": commit_of(CHECKOUT), "baseline": commit_of(args.baseline.resolve())}
+    times = versions["now"]
     ms = medians(times)
     ratios = {
-        name: median_ratio(times[name], times[f"softmax@{name.split('@')[1]}"]) for name in calls
+        cell: median_ratio(times[cell], times[f"softmax@{cell.split('@')[1]}"]) for cell in cells
     }
+    header = ["d", "head", "ms/step", "x softmax", "s/epoch"]
     rows = [
-        [
-            d,
-            head,
-            f"{ms[f'{head}@{d}']:.1f}",
-            f"{ratios[f'{head}@{d}']:.2f}",
-            f"{ms[f'{head}@{d}'] * steps_per_epoch / 1e3:.0f}",
-        ]
-        for d in ds
-        for head in heads
-    ]
+        [*cell.split("@")[::-1], f"{ms[cell]:.1f}", f"{ratios[cell]:.2f}",
+         f"{ms[cell] * steps_per_epoch / 1e3:.0f}"]
+        for cell in cells
+    ]  # fmt: skip
+    against = ""
+    if "baseline" in versions:
+        before = versions["baseline"]
+        header += [f"ms at {commits['baseline']}", "x baseline", "x softmax there"]
+        for row, cell in zip(rows, cells, strict=True):
+            softmax = before[f"softmax@{cell.split('@')[1]}"]
+            row += [
+                f"{statistics.median(before[cell]):.1f}",
+                f"{median_ratio(times[cell], before[cell]):.2f}",
+                f"{median_ratio(before[cell], softmax):.2f}",
+            ]
+        against = (
+            f" Against {commits['baseline']}: the same steps with that checkout's library, each "
+            "version in a worker process of its own, the calls interleaved; x baseline: the "
+            "median ratio of the step to the same cell's there."
+        )
     markdown = (
         f"# The study's training step per head and d ({data.batch_size} x {data.bptt} tokens, "
         f"{VOCAB} words)\n\nMedian ms per step over {args.repeats} interleaved repetitions; x "
@@ -155,8 +244,7 @@ def main() -> None:
         f"counted. {SHARED_MIXTAPE}: words seen < {args.shared_gate_below:g} times share one "
         f"gate ({int(np.sum(counts >= args.shared_gate_below))} with their own; counts: "
         f"{counts_source}). Loss chunk budget: {args.memory_budget_mib or 32:g} MiB. Trunk: "
-        f"{args.embedding} embedding.\n\n"
-        + markdown_table(["d", "head", "ms/step", "x softmax", "s/epoch"], rows)
+        f"{args.embedding} embedding.{against}\n\n" + markdown_table(header, rows)
     )
     write_results(
         args.out,
@@ -170,6 +258,8 @@ def main() -> None:
             "median_ms": ms,
             "ratio_to_softmax": ratios,
             "times_ms": times,
+            "baseline_times_ms": versions.get("baseline"),
+            "commits": commits,
             "trunk": dataclasses.asdict(study.trunk.model),
             "shared_gate_below": args.shared_gate_below,
             "token_counts": counts_source,
@@ -178,6 +268,7 @@ def main() -> None:
             "machine": machine_info(),
         },
         markdown,
+        commit=commits.get("now"),
     )
     print(markdown)
 
