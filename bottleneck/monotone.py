@@ -125,9 +125,9 @@ def _plif(x: jax.Array, raw_slopes: jax.Array, bound: float) -> jax.Array:
 
 
 def _plif_fwd(x, raw_slopes, bound):
-    # f'(x) is kept for the backward rather than gathered again there: with it kept, PLIF's
-    # loss took 0.82-0.91x the time at the study's batch on a 2-core AMD EPYC
-    # (docs/benchmarks.md), and the chunked loss's temporaries did not grow.
+    # f'(x) is kept for the backward rather than gathered again there: PLIF's loss took 0.85x
+    # its time at the study's d = 32 batch on a 2-core AMD EPYC (1.00x at d = 400, where the
+    # products dominate; docs/benchmarks.md), and the chunked loss's temporaries did not grow.
     value, slope = _plif_and_slope(x, raw_slopes, bound)
     return value, (x, raw_slopes, slope)
 

@@ -190,9 +190,11 @@ class ProjectedEmbedding(nnx.Module):
     dtype) and ``decoder.shape`` is ``(rows, d')``, so whatever reads a head's ``decoder`` reads
     ``W``. Each read multiplies again (``rows e d'`` multiply-adds), so a head's loss reads it
     once per call, before its chunk loop: the loop accumulates ``W``'s gradient, and ``E`` and
-    ``Q`` get theirs in one product each (per chunk, the product and its two transposes cost
-    about as much as the chunk's own logits at ``e = 128``, ``C = 108``). On a mesh the table keeps its split on ``vocab`` and ``Q`` (no annotation)
-    is replicated, so each device's product is its rows of ``W``, split like a decoder.
+    ``Q`` get theirs in one product each. (In every chunk, the product and each of its two
+    transposes would take ``e / C`` of the chunk's logits' multiply-adds: 1.2 at ``e = 128``
+    and PLIF's chunks of ``C = 108`` tokens.) On a mesh the table keeps its split on ``vocab``
+    and ``Q`` (no annotation) is replicated, so each device's product is its rows of ``W``,
+    split like a decoder.
 
     Args:
       embedding: an ``nnx.Embed`` or its ``[rows, e]`` ``nnx.Param`` table.
