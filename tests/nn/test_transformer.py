@@ -392,11 +392,15 @@ def _fixed_trunk_head(name):
     options = FIXED_TRUNK_HEADS[name]
     model = build(
         head=name.removesuffix("_shared"), head_features=4, embedding_features=D,
-        memory_budget=300 * (1 + options.get("num_components", 1)), **options,
+        memory_budget=300, **options,
     )  # fmt: skip
-    assert isinstance(model.head.decoder, ProjectedEmbedding)
-    assert chunk_size_for_budget(18, model.head.elements_per_token, 300) < 18  # chunks
-    return model.head
+    head = model.head
+    assert isinstance(head.decoder, ProjectedEmbedding)
+    chunk = chunk_size_for_budget(
+        18, head.elements_per_token, head.memory_budget, head.buffers_per_element
+    )
+    assert chunk < 18  # many chunks
+    return head
 
 
 @pytest.mark.parametrize("name", FIXED_TRUNK_HEADS)
