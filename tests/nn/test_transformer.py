@@ -10,6 +10,7 @@ import functools
 
 import chex
 import jax
+import jax.extend  # jaxpr types (ClosedJaxpr, Jaxpr) for the loop walk
 import jax.numpy as jnp
 import numpy as np
 import optax
