@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import Jaxpr
 
 import bottleneck as bn
+from tests.jaxprs import equations
 
 
 def np_plif(x, raw_slopes, bound):
@@ -116,17 +116,6 @@ def test_plif_backward_is_deterministic():
     np.testing.assert_array_equal(grad(raw), grad(raw))
 
 
-def _equations(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs inside its equations (jit, custom rules)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, Jaxpr):
-                    yield from _equations(inner)
-
-
 def test_plif_backward_scatters_only_real_values():
     # A GPU has no complex atomic add: there a complex scatter-add is a compare-and-swap loop
     # that collapses when many logits share a segment (PLIF's study step was ~1,000x softmax's
@@ -134,7 +123,7 @@ def test_plif_backward_scatters_only_real_values():
     x = jax.random.normal(jax.random.key(11), (4, 8))
     raw = bn.plif_init(jax.random.key(12), 16)
     jaxpr = jax.make_jaxpr(jax.grad(lambda r: jnp.sum(bn.plif(x, r) ** 2)))(raw)
-    scatters = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name.startswith("scatter")]
+    scatters = [e for e in equations(jaxpr.jaxpr) if e.primitive.name.startswith("scatter")]
     assert scatters, "the slopes' gradient is a histogram: a scatter-add"
     for eqn in scatters:
         assert not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.complexfloating), eqn

@@ -10,7 +10,6 @@ import functools
 
 import chex
 import jax
-import jax.extend  # jaxpr types (ClosedJaxpr, Jaxpr) for the loop walk
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -27,6 +26,7 @@ from bottleneck.nn.transformer import (
     causal_attention,
     rotary_embedding,
 )
+from tests.jaxprs import equations, inner_jaxprs
 from tests.model_jit import jit_model
 
 V, D, L, H, T, B, MAX_LEN = 24, 16, 2, 2, 8, 3, 16
@@ -426,23 +426,6 @@ def test_the_fixed_trunks_heads_have_the_exact_chunked_loss(name):
     chex.assert_trees_all_close(chunked_grads, full_grads, rtol=1e-5, atol=1e-6)
 
 
-def _loop_products(jaxpr, in_loop=False):
-    """The operand shapes of every dot_general inside a loop's body (scan, while), nested
-    included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general" and in_loop:
-            found.append(tuple(v.aval.shape for v in eqn.invars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
-                    inner = getattr(sub, "jaxpr", sub)
-                    found += _loop_products(
-                        inner, in_loop or eqn.primitive.name in ("scan", "while")
-                    )
-    return found
-
-
 @pytest.mark.parametrize("name", FIXED_TRUNK_HEADS)
 def test_the_chunk_loop_never_multiplies_e_by_q(name):
     """The product W = E Q and its transposes (dE = dW Q^T, dQ = E^T dW) run once per call,
@@ -454,7 +437,14 @@ def test_the_chunk_loop_never_multiplies_e_by_q(name):
     jaxpr = jax.make_jaxpr(
         jax.value_and_grad(lambda s, h: nnx.merge(graphdef, s).loss(h, labels), argnums=(0, 1))
     )(state, h)
-    products = _loop_products(jaxpr.jaxpr)
+    loops = [e for e in equations(jaxpr.jaxpr) if e.primitive.name in ("scan", "while")]
+    products = [
+        tuple(v.aval.shape for v in e.invars)
+        for loop in loops
+        for body in inner_jaxprs(loop)
+        for e in equations(body)
+        if e.primitive.name == "dot_general"
+    ]
     assert products  # the loop was found: its logits are products
     table = (V, D)
     assert not [p for p in products if table in p or table[::-1] in p], products
