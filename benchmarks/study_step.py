@@ -5,8 +5,9 @@ on more than one machine and beside other work, so those columns do not compare 
 times one training step of every cell's model as the grid trains it (the study's Transformer
 trunk with the cell's head at width ``d``, AdamW with the cell's schedule, dropout on; built
 by ``experiments/language_model.py`` from ``lm_study.cell_config``) on one window of the
-study's shape (32 sequences x 64 tokens, PTB's 10,000 words), every candidate interleaved in
-one process (``benchmarks/_timing.py``). The table gives each cell's median milliseconds per
+study's shape (32 sequences x 64 tokens, PTB's 10,000 words), every cell in one worker process
+with this checkout's library (``_timing.Worker``, as ``head_cost.py``), the calls interleaved.
+The table gives each cell's median milliseconds per
 step, its ratio to softmax at the same ``d`` (the median of per-repetition ratios), and the
 seconds of an epoch's training steps (the step times the windows of PTB's first epoch at
 seed 1; the validation pass after each epoch, about a twentieth of it, is not counted).
@@ -19,9 +20,8 @@ Run from the repository root (about 5 minutes on 2 cores, alone on the machine):
         [--out benchmarks/results/study_step.json]
 
 ``--baseline DIR`` (e.g. ``git worktree add /tmp/baseline COMMIT``) times every cell's step with
-that checkout's library too, in the same run: each version in a worker process of its own
-(``_timing.Worker``), the calls interleaved, and the table gains each cell's ratio to itself
-there.
+that checkout's library too, in the same run: a second worker process, its calls interleaved
+with the first's, and the table gains each cell's ratio to itself there.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from _timing import (
     markdown_table,
     median_ratio,
     medians,
-    time_interleaved,
     write_results,
 )
 from tqdm import tqdm
@@ -121,13 +120,16 @@ def worker(counts_path: str, shared_gate_below: str, budget: str, embedding: str
 
 def timed_by_workers(
     args: argparse.Namespace, cells: list[str], counts: np.ndarray
-) -> dict[str, dict[str, list[float]]]:
-    """Each cell's step with this checkout's library and with ``--baseline``'s, each in a
-    worker process of its own, interleaved: ``{"now": times, "baseline": times}``."""
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, str]]:
+    """Each cell's step with this checkout's library (and ``--baseline``'s), each version in a
+    worker process of its own, the calls interleaved: ``{"now": times[, "baseline": times]}``
+    and each version's commit."""
     counts_path = args.out.with_suffix(".counts.npy")
     counts_path.parent.mkdir(parents=True, exist_ok=True)
     np.save(counts_path, counts)
-    roots = {"now": CHECKOUT, "baseline": args.baseline.resolve()}
+    roots = {"now": CHECKOUT}
+    if args.baseline is not None:
+        roots["baseline"] = args.baseline.resolve()
     options = (counts_path, args.shared_gate_below, args.memory_budget_mib, args.embedding)
     workers = {name: Worker(root, __file__, *options) for name, root in roots.items()}
     times: dict[str, dict[str, list[float]]] = {name: {c: [] for c in cells} for name in roots}
@@ -143,7 +145,7 @@ def timed_by_workers(
     for w in workers.values():
         w.close()
     counts_path.unlink()
-    return times
+    return times, {name: commit_of(root) for name, root in roots.items()}
 
 
 def main() -> None:
@@ -189,26 +191,7 @@ def main() -> None:
     steps_per_epoch = data.steps_per_epoch(np.zeros(PTB_TRAIN_TOKENS, np.int32), SEED)
     counts, counts_source = token_counts(args.data_dir, VOCAB)
     cells = [f"{head}@{d}" for d in ds for head in heads]
-    if args.baseline is None:
-        window = random_window(VOCAB, data.batch_size, data.bptt)
-        calls = {
-            cell: step_call(
-                cell.split("@")[0],
-                int(cell.split("@")[1]),
-                window,
-                counts,
-                args.shared_gate_below,
-                args.memory_budget_mib,
-                args.embedding,
-            )  # fmt: skip
-            for cell in cells
-        }
-        with tqdm(total=len(calls) * (args.repeats + 1), desc="study steps") as progress:
-            versions = {"now": time_interleaved(calls, args.repeats, on_call=progress.update)}
-        commits = {}  # write_results names the library this process imported
-    else:
-        versions = timed_by_workers(args, cells, counts)
-        commits = {"now": commit_of(CHECKOUT), "baseline": commit_of(args.baseline.resolve())}
+    versions, commits = timed_by_workers(args, cells, counts)
     times = versions["now"]
     ms = medians(times)
     ratios = {
@@ -268,7 +251,7 @@ def main() -> None:
             "machine": machine_info(),
         },
         markdown,
-        commit=commits.get("now"),
+        commit=commits["now"],
     )
     print(markdown)
 
