@@ -203,7 +203,19 @@ def run_hook(command: str, name: str, results_csv: Path | None) -> None:
     subprocess.run(command, shell=True, env=env, check=False)
 
 
+def check_report_inputs(config: Config) -> None:
+    """The CSVs that only the report reads must exist: a misspelt path would otherwise read as
+    an arm with no cell recorded yet (or, for --report_only, a grid with none)."""
+    named = [("--tuned_csvs", path) for path in config.tuned_csvs]
+    named += [("--probe_csv", config.probe_csv)] if config.probe_csv is not None else []
+    named += [("--results_csv", config.results_csv)] if config.report_only else []
+    for flag, path in named:
+        if not Path(path).is_file():
+            raise UsageError(f"{flag} {path}: no such file")
+
+
 def run_study(config: Config) -> dict[str, Any]:
+    check_report_inputs(config)
     root = Path(config.out_dir)
     run = open_run(root, config, resume=True)
     start = time.perf_counter()

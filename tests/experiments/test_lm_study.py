@@ -418,6 +418,16 @@ def test_report_only_tabulates_the_recorded_cells_and_lists_the_rest(smoke, tmp_
     assert code == 2 and "report_only reads --results_csv" in stderr
 
 
+@pytest.mark.parametrize("flag", ["--results_csv", "--probe_csv", "--tuned_csvs"])
+def test_a_missing_csv_the_report_reads_is_one_error_before_any_cell(flag, tmp_path):
+    """A misspelt path is not an arm (or a grid) with no cell yet."""
+    missing = tmp_path / "no-such-rows.csv"
+    extra = ("--report_only",) if flag == "--results_csv" else ()
+    code, _, stderr = _run(flag, str(missing), *extra, "--out_dir", str(tmp_path / "out"))
+    assert code == 2 and f"{flag} {missing}: no such file" in stderr, stderr
+    assert not (tmp_path / "out" / "cells").exists()
+
+
 def test_paired_t_is_scipy_s_paired_test_and_interval():
     """Three per-seed gains worked with numpy/scipy: the interval is mean +- t_{0.975, 2} s /
     sqrt(3), the p-value the paired t test's of the two heads' perplexities."""
