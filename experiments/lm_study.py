@@ -51,10 +51,11 @@ again, even on another machine without its folder; ``experiments/lm_study_grid.s
 in the background from a worktree pinned at a commit and commits each row as it lands. A cell
 that fails (say, diverges) is recorded with its error and the grid goes on; rerunning retries it.
 Every cell of a block (one ``d`` and seed: the cells the report compares) trains on one device
-and CPU model, which its row records: where another device finished cells of a block, its other
-cells are left pending for a machine like it, and the grid goes on with the other blocks; a
-cell another device began but did not finish is set aside (``NAME.set-aside-N``) and trained
-afresh, so that no checkpoint resumes on another device.
+and CPU model, from one commit of the code, which its row records: where another device or
+another commit finished cells of a block, its other cells are left pending for a machine and
+code like theirs, and the grid goes on with the other blocks; a cell begun elsewhere or at
+another commit but not finished is set aside (``NAME.set-aside-N``) and trained afresh, so that
+no checkpoint resumes on another device or code.
 
 Writes to --out_dir: config.json; study.json / study.csv (one row per cell: valid / test
 perplexity, epochs, stopping reason, convergence, seconds, parameters, the validation curve, the
@@ -81,6 +82,7 @@ from bottleneck.runs import (
     RunDir,
     RunFolderError,
     UsageError,
+    code_commit,
     language_model,
     open_run,
     parse_config,
@@ -131,32 +133,45 @@ def mark_device(cell: language_model.Config, device: str) -> None:
         path.write_text(device + "\n")
 
 
-def block_devices(
+def block_origins(
     config: Config, recorded: dict[tuple[str, int, int, str], dict[str, Any]], d: int, seed: int
 ) -> set[str]:
-    """The devices that trained cells of the block ``(d, seed)`` to the end: their rows in
-    ``recorded`` and their finished folders' :data:`DEVICE_FILE`.
+    """Where, and from which code, the cells of the block ``(d, seed)`` trained to the end
+    (:func:`origin`): their rows in ``recorded``, and their finished folders.
 
     The report compares each head with softmax at one ``d`` and seed, so a block's cells train
-    on one device (and CPU model): a cell whose block another device has finished cells of waits,
-    pending, for a machine of that device, and the grid goes on with the other blocks.
+    on one device (and CPU model) from one commit of the code: a cell whose block finished
+    cells elsewhere, or at another commit, waits, pending, for a machine and code like theirs,
+    and the grid goes on with the other blocks (a grid pinned at a new commit takes whole new
+    blocks, not the ends of old ones).
     """
-    devices = set()
+    origins = set()
     for head in config.heads:
         cell = cell_config(config, head, d, seed)
         row = recorded.get((head, d, seed, config_sha(cell)))
         if row is not None and row.get("device"):
-            devices.add(row["device"])
-        began = cell_device(cell)
+            origins.add(origin(row["device"], row.get("commit")))
+        began = cell_origin(cell)
         if began and (Path(cell.out_dir) / "results.json").is_file():
-            devices.add(began)
-    return devices
+            origins.add(began)
+    return origins
 
 
-def cell_device(cell: language_model.Config) -> str | None:
-    """The device a cell's folder began training on (:data:`DEVICE_FILE`), if it names one."""
-    path = Path(cell.out_dir) / DEVICE_FILE
-    return path.read_text().strip() if path.is_file() else None
+def origin(device: str, commit: str | None) -> str:
+    return f"{device} at commit {commit or 'unrecorded'}"
+
+
+def cell_origin(cell: language_model.Config) -> str | None:
+    """Where a cell's folder began training (:data:`DEVICE_FILE`) and from which code (the
+    commit its ``config.json`` records: a cell resumes only from the code it began with); None
+    if it names no device. A folder that recorded no config yet trained nothing, and is taken
+    as this code's."""
+    root = Path(cell.out_dir)
+    if not (root / DEVICE_FILE).is_file():
+        return None
+    record = root / "config.json"
+    commit = json.loads(record.read_text()).get("commit") if record.is_file() else code_commit()
+    return origin((root / DEVICE_FILE).read_text().strip(), commit)
 
 
 def set_aside(cell: language_model.Config) -> Path:
@@ -224,6 +239,7 @@ def run_study(config: Config) -> dict[str, Any]:
     recorded = {} if results_csv is None else read_results_csv(results_csv)
     cells = [(h, d, s) for s in config.seeds for d in config.ds for h in config.heads]
     device = accelerator()
+    here = origin(device, code_commit())
     for i, (head, d, seed) in enumerate(cells):
         cell = cell_config(config, head, d, seed)
         name = cell_name(head, d, seed)
@@ -237,17 +253,17 @@ def run_study(config: Config) -> dict[str, Any]:
         if config.report_only and not finished_before:
             rows.append({"head": head, "d": d, "seed": seed, "status": "pending"})
             continue
-        others = block_devices(config, recorded, d, seed) - {device}
+        others = block_origins(config, recorded, d, seed) - {here}
         if others and not finished_before:
             print(
                 f"=== cell {i + 1}/{len(cells)}: {name}: deferred: its block (d = {d}, seed "
-                f"{seed}) trained on {', '.join(sorted(others))}, this machine is {device} ==="
+                f"{seed}) trained on {', '.join(sorted(others))}, this is {here} ==="
             )
             rows.append({"head": head, "d": d, "seed": seed, "status": "pending"})
             continue
         print(f"\n=== cell {i + 1}/{len(cells)}: {name} ===", flush=True)
-        began = cell_device(cell)
-        if began not in (None, device):  # nothing of it is recorded: train it afresh here
+        began = cell_origin(cell)
+        if began not in (None, here):  # nothing of it is recorded: train it afresh here
             print(f"its checkpoint began on {began}: set aside in {set_aside(cell)}")
         mark_device(cell, device)
         results = run_cell(cell)

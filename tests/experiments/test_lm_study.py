@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from bottleneck.runs import code_commit, parse_config
 from bottleneck.runs import lm_study as study
 from bottleneck.runs import lm_study_report as report
-from bottleneck.runs import parse_config
 from bottleneck.runs import statistics as paired_stats
 from experiments import lm_study
 from tests.script_runs import run_main
@@ -147,7 +147,11 @@ def test_a_block_another_device_trained_waits_for_a_machine_like_it(smoke, tmp_p
     code, stdout, stderr = _run(*args, "--seeds", "1", "2")
     assert code == 0, stderr
     assert "mos-d4-s1: deferred: its block (d = 4, seed 1) trained on gpu (Another GPU)" in stdout
-    assert f"its checkpoint began on cpu (Other CPU): set aside in {begun}.set-aside-1" in stdout
+    commit = code_commit()  # the folder recorded no config: it trained nothing yet
+    assert (
+        f"its checkpoint began on cpu (Other CPU) at commit {commit}: set aside in "
+        f"{begun}.set-aside-1"
+    ) in stdout
     cells = _cells(out)
     assert cells[("mos", 4, 1)]["status"] == "pending"
     assert cells[("softmax", 4, 2)]["status"] == cells[("mos", 4, 2)]["status"] == "done"
@@ -156,6 +160,40 @@ def test_a_block_another_device_trained_waits_for_a_machine_like_it(smoke, tmp_p
     assert (begun / lm_study.DEVICE_FILE).read_text().strip() == device
     assert not (out / "cells" / "mos-d4-s1").exists()
     assert "Partial" in (out / "study.md").read_text()
+
+
+def test_a_block_another_commit_trained_waits_for_that_code(smoke, tmp_path):
+    """A block whose softmax cell another commit of the code trained on this same machine:
+    mos-d4-s1 stays pending (a pair never compares two codes) and seed 2's block trains here;
+    a cell another commit began is set aside and trained afresh (no checkpoint resumes under
+    other code), and each new row records this code's commit."""
+    reference, _ = smoke
+    with (reference / "rows.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["head"] == "softmax"]
+    rows[0]["commit"] = "0123456789ab"
+    csv_path = tmp_path / "rows.csv"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=study.RESULT_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    out = tmp_path / "study"
+    begun = out / "cells" / "mos-d4-s2"  # begun here by the other commit, not finished
+    begun.mkdir(parents=True)
+    device = rows[0]["device"]
+    (begun / lm_study.DEVICE_FILE).write_text(device + "\n")
+    (begun / "config.json").write_text(json.dumps({"commit": "0123456789ab"}))
+    args = ["--rank_d", "None", "--out_dir", str(out), "--results_csv", str(csv_path)]
+    code, stdout, stderr = _run(*args, "--seeds", "1", "2")
+    assert code == 0, stderr
+    here = f"{device} at commit {code_commit()}"
+    assert (
+        f"mos-d4-s1: deferred: its block (d = 4, seed 1) trained on {device} at commit "
+        f"0123456789ab, this is {here}"
+    ) in stdout
+    assert f"began on {device} at commit 0123456789ab: set aside in {begun}.set-aside-1" in stdout
+    cells = _cells(out)
+    assert cells[("mos", 4, 1)]["status"] == "pending"
+    assert cells[("softmax", 4, 2)]["commit"] == cells[("mos", 4, 2)]["commit"] == code_commit()
 
 
 @pytest.fixture(scope="module")
