@@ -125,20 +125,26 @@ def test_cells_recorded_in_the_results_csv_are_not_run_again(smoke, tmp_path):
     assert ran() == ["ran softmax-d4-s1"]
 
 
+def _softmax_rows_with(reference, tmp_path, **first_row):
+    """The smoke grid's softmax rows in a CSV of their own, the first (seed 1's) changed."""
+    with (reference / "rows.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["head"] == "softmax"]
+    rows[0].update(first_row)
+    csv_path = tmp_path / "rows.csv"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=study.RESULT_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return csv_path, rows
+
+
 def test_a_block_another_device_trained_waits_for_a_machine_like_it(smoke, tmp_path):
     """Each head is compared with softmax of its d and seed: where softmax-d4-s1 trained on
     another device, mos-d4-s1 stays pending (never paired across devices) and the grid goes on
     with seed 2's block, which this machine trains; a cell another device began but did not
     finish is set aside and trained afresh here (no checkpoint resumes on another device)."""
     reference, _ = smoke
-    with (reference / "rows.csv").open() as f:
-        rows = [r for r in csv.DictReader(f) if r["head"] == "softmax"]
-    rows[0]["device"] = "gpu (Another GPU)"
-    csv_path = tmp_path / "rows.csv"
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=study.RESULT_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    csv_path, rows = _softmax_rows_with(reference, tmp_path, device="gpu (Another GPU)")
     out = tmp_path / "study"
     begun = out / "cells" / "softmax-d4-s2"  # an unfinished folder of another CPU
     begun.mkdir(parents=True)
@@ -168,14 +174,7 @@ def test_a_block_another_commit_trained_waits_for_that_code(smoke, tmp_path):
     a cell another commit began is set aside and trained afresh (no checkpoint resumes under
     other code), and each new row records this code's commit."""
     reference, _ = smoke
-    with (reference / "rows.csv").open() as f:
-        rows = [r for r in csv.DictReader(f) if r["head"] == "softmax"]
-    rows[0]["commit"] = "0123456789ab"
-    csv_path = tmp_path / "rows.csv"
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=study.RESULT_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    csv_path, rows = _softmax_rows_with(reference, tmp_path, commit="0123456789ab")
     out = tmp_path / "study"
     begun = out / "cells" / "mos-d4-s2"  # begun here by the other commit, not finished
     begun.mkdir(parents=True)
