@@ -15,14 +15,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-
-import bottleneck
-from bottleneck.runs import code_commit, results_page, rows
 
 # The checkout these scripts belong to.
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -119,6 +116,11 @@ def write_results(
     a warning names when it is not this script's checkout (an editable install of another
     checkout comes first on ``sys.path``: set ``PYTHONPATH`` to this checkout's root).
     """
+    # Imported here, not above: a worker of another checkout imports none of this plumbing
+    # (worker_cases checks that every bottleneck module it holds is that checkout's).
+    import bottleneck
+    from bottleneck.runs import code_commit, results_page, rows
+
     path = Path(path)
     if commit is None:
         commit = code_commit()
@@ -150,7 +152,7 @@ class Worker:
 
     def __init__(self, root: Path, script: str, *args: object):
         path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path}
+        env = {**os.environ, "PYTHONPATH": path, WORKER_LIBRARY: str(root)}
         self.process = subprocess.Popen(
             [sys.executable, script, "--worker", *map(str, args)],
             stdin=subprocess.PIPE,
@@ -161,8 +163,11 @@ class Worker:
 
     def ask(self, case: str) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(case + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(case + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:  # it died before this case (at its imports, or the last case)
+            raise SystemExit(f"a worker died before {case} (its error is above)") from None
         answer = self.process.stdout.readline()
         if not answer:
             raise SystemExit(f"a worker died on {case} (its error is above)")
@@ -172,6 +177,42 @@ class Worker:
         if self.process.stdin is not None:
             self.process.stdin.close()
         self.process.wait()
+
+
+# The environment variable naming the checkout whose library a worker must run.
+WORKER_LIBRARY = "BOTTLENECK_BENCHMARK_LIBRARY"
+
+
+def foreign_modules(root: Path) -> list[str]:
+    """The ``bottleneck`` modules this process holds from elsewhere than the checkout ``root``.
+
+    Where ``root`` lacks a module, Python does not stop: an editable install of another
+    checkout (this one's, typically) answers for it, so a baseline would be timed partly with
+    this code."""
+    root = root.resolve()
+    return sorted(
+        name
+        for name, module in list(sys.modules.items())
+        if (name == "bottleneck" or name.startswith("bottleneck."))
+        and getattr(module, "__file__", None)
+        and not Path(module.__file__).resolve().is_relative_to(root)
+    )
+
+
+def worker_cases() -> Iterator[str]:
+    """A worker's cases, one stdin line each; before each, a check that every ``bottleneck``
+    module the worker has imported (its cases' included) is the checkout's it was started for
+    (:class:`Worker`), else it stops with the modules that checkout lacks."""
+    root = Path(os.environ[WORKER_LIBRARY])
+    for line in sys.stdin:
+        foreign = foreign_modules(root)
+        if foreign:
+            raise SystemExit(
+                f"the checkout {root} lacks {', '.join(foreign)}, which this benchmark's worker "
+                "imports (another checkout's copy answered for them): time it against a "
+                "checkout that has them"
+            )
+        yield line.strip()
 
 
 def commit_of(root: Path) -> str:

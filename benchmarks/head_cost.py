@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 from _shapes import HEADS, cost_head, loss_and_gradients, token_counts
-from _timing import Worker, commit_of, machine_info, median_ratio, write_results
+from _timing import Worker, commit_of, machine_info, median_ratio, worker_cases, write_results
 
 SHAPES = {  # name: (tokens, d, vocabulary)
     "study32": (2048, 32, 10_000),
@@ -73,8 +73,7 @@ def worker(counts_path: str, threshold: float) -> None:
         memory = None if temp is None else temp.temp_size_in_bytes / (tokens * vocab * 4)
         return fn, (state, h, labels), value, memory
 
-    for line in sys.stdin:
-        case = line.strip()
+    for case in worker_cases():
         if case not in compiled:
             fn, args, value, memory = build(case)
             compiled[case] = (fn, args)

@@ -47,6 +47,7 @@ from _timing import (
     markdown_table,
     median_ratio,
     medians,
+    worker_cases,
     write_results,
 )
 from tqdm import tqdm
@@ -102,8 +103,7 @@ def worker(counts_path: str, shared_gate_below: str, budget: str, embedding: str
     data = lm_study.Config().trunk.data
     window = random_window(VOCAB, data.batch_size, data.bptt)
     calls: dict[str, Callable[[], Any]] = {}
-    for line in sys.stdin:
-        cell = line.strip()
+    for cell in worker_cases():
         if cell not in calls:
             head, d = cell.split("@")
             calls[cell] = step_call(
