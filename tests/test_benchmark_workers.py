@@ -4,11 +4,11 @@ checkout would answer for it, and the baseline would be timed partly with this c
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _timing import Worker  # noqa: E402
 

@@ -20,8 +20,8 @@ import nbformat
 import pytest
 
 import bottleneck
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "tour.ipynb"
 CHECK_TAG = "check"
 # What the notebook may import: the public library, its numerical stack, and the stdlib.

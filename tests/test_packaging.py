@@ -13,10 +13,10 @@ import setuptools
 import bottleneck
 from bottleneck.data import FIXTURES_DIR
 from bottleneck.runs import language_model, lm_study
+from tests.paths import ROOT
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-ROOT = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 SCRIPTS = sorted(p for p in (ROOT / "experiments").glob("*.py") if p.name != "__init__.py")
 

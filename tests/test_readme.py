@@ -16,8 +16,8 @@ import jax
 import pytest
 
 from tests.compile_flags import without_fast_compile
+from tests.paths import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RESULTS = ROOT / "docs" / "results"
 PAGES = [README, *sorted((ROOT / "docs" / "guides").glob("*.md")), ROOT / "docs" / "beyond_rank.md"]

@@ -42,8 +42,7 @@ from bottleneck.data.tfds_builders import (
     release_sha256,
 )
 from bottleneck.runs.cli import show_logs
-
-SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
+from tests.paths import SHARED_DATA_DIR
 
 FIXTURE_TOKENS = {
     "ptb": {

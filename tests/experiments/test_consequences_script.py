@@ -1,7 +1,6 @@
 """experiments/consequences.py on smoke runs: the decoder's unargmaxable set, the estimate."""
 
 import json
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,9 +10,8 @@ import bottleneck as bn
 from bottleneck.runs import UsageError
 from bottleneck.runs.language_model import load_run
 from experiments import consequences
+from tests.paths import ROOT
 from tests.usage import plain
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,12 @@
 """experiments/gradient_bottleneck.py on the fixture corpus: curves, files, resumption."""
 
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from experiments import gradient_bottleneck
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

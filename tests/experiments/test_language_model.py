@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,10 +29,10 @@ from bottleneck.runs import UsageError, language_model, parse_config
 from bottleneck.runs.lm_config import HeadConfig
 from bottleneck.runs.run_loop import TrainingDiverged
 from experiments import language_model as script
+from tests.paths import ROOT, SHARED_DATA_DIR
 from tests.script_runs import run_main
 from tests.usage import plain
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "language_model.py"
 
 
@@ -323,11 +322,11 @@ def test_a_folder_of_another_experiment_is_refused_before_anything_is_written(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
 
-@pytest.mark.skipif(not (ROOT.parent / "shared" / "data" / "ptb").is_dir(), reason="no ../shared")
+@pytest.mark.skipif(not (SHARED_DATA_DIR / "ptb").is_dir(), reason="no ../shared")
 def test_smoke_on_the_real_corpus_reads_a_few_hundred_tokens(tmp_path):
     start = time.monotonic()
     code, _, stderr = _run(
-        "smoke", "--data_dir", str(ROOT.parent / "shared" / "data"),
+        "smoke", "--data_dir", str(SHARED_DATA_DIR),
         "--no-dynamic_eval", "--out_dir", str(tmp_path),
     )  # fmt: skip
     assert code == 0, stderr

@@ -22,10 +22,10 @@ from bottleneck.runs import lm_study as study
 from bottleneck.runs import lm_study_report as report
 from bottleneck.runs import statistics as paired_stats
 from experiments import lm_study
+from tests.paths import ROOT
 from tests.script_runs import run_main
 from tests.usage import plain
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS_CSV = ROOT / "docs" / "results" / "ptb-transformer.csv"
 
 

@@ -6,12 +6,12 @@ of --seeds, so that the script's process handling and block filter are what is t
 
 import csv
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
+
 SCRIPT = ROOT / "experiments" / "lm_study_blocks.sh"
 
 STAND_IN = textwrap.dedent(

@@ -3,11 +3,11 @@
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
+
 SCRIPTS = sorted(p for p in (ROOT / "experiments").glob("*.py") if p.name != "__init__.py")
 
 

@@ -1,6 +1,5 @@
 import dataclasses
 import json
-import pathlib
 import re
 import signal
 import subprocess
@@ -11,10 +10,10 @@ import numpy as np
 import pytest
 
 from experiments import synthetic
+from tests.paths import ROOT
 from tests.script_runs import run_main
 from tests.usage import plain
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "synthetic.py"
 
 
