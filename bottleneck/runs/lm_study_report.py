@@ -665,8 +665,9 @@ def _power_text(tested: list[dict[str, Any]]) -> str:
         {
             "spread of the per-seed gains": s["spread"],
             "points of %": f"{s['value']:.2f}",
+            "seeds (n)": s["seeds"],
             # No spread at all (identical gains): nothing to size a test with.
-            f"detectable with {POWER:.0%} power, n = {s['seeds']}": (
+            f"detectable with {POWER:.0%} power at n": (
                 f"{detectable_gain(s['value'], s['seeds']):.2f}" if s["value"] > 0 else "—"
             ),
             f"seeds for {POWER:.0%} power at 1 point": (
@@ -677,8 +678,9 @@ def _power_text(tested: list[dict[str, Any]]) -> str:
     ]
     return (
         f"The design's power: the smallest true mean gain that the paired t test (two-sided, "
-        f"alpha {ALPHA:g}) detects with {POWER:.0%} power with this grid's seeds, and the seeds "
-        f"such a test needs for {POWER:.0%} power against a gain of 1 point of % (noncentral t), "
+        f"alpha {ALPHA:g}) detects with {POWER:.0%} power with n seeds (the fewest paired "
+        f"seeds of any comparison in the row), and the seeds such a test needs for {POWER:.0%} "
+        "power against a gain of 1 point of % (noncentral t), "
         "at the observed spread of the per-seed gains:\n\n" + markdown_table(rows)
     )
 
