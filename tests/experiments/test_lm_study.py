@@ -584,6 +584,28 @@ def test_report_gives_intervals_holm_power_trend_and_device_crossings():
     assert grid[2]["d = 32"].endswith("(3/3)†") and not grid[2]["d = 16"].endswith("†")
 
 
+def test_the_power_table_gives_each_row_its_own_seeds():
+    """A partial grid: three seeds at d = 16, two at d = 32. Each row of the power table is
+    sized with the fewest paired seeds of its comparisons, named in its own column."""
+    config = study.Config(heads=("softmax", "mos"), ds=(16, 32), seeds=(1, 2, 3))
+    ppl = {(16, 1): (100.0, 98.0), (16, 2): (101.0, 98.5), (16, 3): (99.0, 97.8),
+           (32, 1): (90.0, 88.0), (32, 2): (91.0, 89.5)}  # fmt: skip
+    rows = [
+        _csv_row(head, d, seed, pair[i])
+        for (d, seed), pair in ppl.items()
+        for i, head in enumerate(("softmax", "mos"))
+    ]
+    table = report.summarize([{**r, "status": "done"} for r in rows], config)
+    spreads = {s["spread"]: s for s in report.design_spreads(table)}
+    assert spreads["pooled at d = 16"]["seeds"] == 3 and spreads["pooled at d = 32"]["seeds"] == 2
+    assert spreads["median over all comparisons"]["seeds"] == 2
+    text = report._power_text(table)
+    d32 = spreads["pooled at d = 32"]
+    row = next(line for line in text.splitlines() if "pooled at d = 32" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "2" and cells[3] == f"{paired_stats.detectable_gain(d32['value'], 2):.2f}"
+
+
 def _csv_row(head, d, seed, test, valid=None, lr=None, dropout=None, epochs=13):
     return {"corpus": "ptb", "model": "transformer", "vocab_size": None, "head": head, "d": d,
             "seed": seed, "status": "done", "valid_ppl": valid or test, "test_ppl": test,
