@@ -2,7 +2,6 @@
 for, all of it, or stops: where that checkout lacks a module, an editable install of another
 checkout would answer for it, and the baseline would be timed partly with this code."""
 
-import json
 import sys
 
 import pytest
@@ -13,12 +12,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _timing import Worker  # noqa: E402
 
 SCRIPT = f"""
+import json
 import sys
 sys.path.insert(0, {str(ROOT / "benchmarks")!r})
 from _timing import worker_cases
 import bottleneck.normalizers  # what the timed case needs
 for case in worker_cases():
-    print({json.dumps('{"case": "')} + case + '"}}', flush=True)
+    print(json.dumps({{"case": case}}), flush=True)
 """
 
 

@@ -144,7 +144,7 @@ def test_a_block_another_device_trained_waits_for_a_machine_like_it(smoke, tmp_p
     with seed 2's block, which this machine trains; a cell another device began but did not
     finish is set aside and trained afresh here (no checkpoint resumes on another device)."""
     reference, _ = smoke
-    csv_path, rows = _softmax_rows_with(reference, tmp_path, device="gpu (Another GPU)")
+    csv_path, _ = _softmax_rows_with(reference, tmp_path, device="gpu (Another GPU)")
     out = tmp_path / "study"
     begun = out / "cells" / "softmax-d4-s2"  # an unfinished folder of another CPU
     begun.mkdir(parents=True)
@@ -595,7 +595,7 @@ def test_the_power_table_gives_each_row_its_own_seeds():
         for (d, seed), pair in ppl.items()
         for i, head in enumerate(("softmax", "mos"))
     ]
-    table = report.summarize([{**r, "status": "done"} for r in rows], config)
+    table = report.summarize(rows, config)
     spreads = {s["spread"]: s for s in report.design_spreads(table)}
     assert spreads["pooled at d = 16"]["seeds"] == 3 and spreads["pooled at d = 32"]["seeds"] == 2
     assert spreads["median over all comparisons"]["seeds"] == 2
