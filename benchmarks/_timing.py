@@ -146,13 +146,17 @@ class Worker:
 
     The A/B benchmarks time two versions of the code in one run: a package cannot be imported
     twice in one process, so each version answers in a process of its own (``PYTHONPATH=root``)
-    while the parent interleaves the calls. The protocol: the parent writes one case per line;
-    the worker answers each with one JSON line.
+    while the parent interleaves the calls. ``env`` is added to the worker's environment, e.g.
+    ``{"LD_PRELOAD": "libtcmalloc_minimal.so.4"}`` to time one library under two memory
+    allocators. The protocol: the parent writes one case per line; the worker answers each with
+    one JSON line.
     """
 
-    def __init__(self, root: Path, script: str, *args: object):
+    def __init__(
+        self, root: Path, script: str, *args: object, env: Mapping[str, str] | None = None
+    ):
         path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path, WORKER_LIBRARY: str(root)}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": path, WORKER_LIBRARY: str(root)}
         self.process = subprocess.Popen(
             [sys.executable, script, "--worker", *map(str, args)],
             stdin=subprocess.PIPE,

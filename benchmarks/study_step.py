@@ -16,12 +16,17 @@ Run from the repository root (about 5 minutes on 2 cores, alone on the machine):
 
     python benchmarks/study_step.py [--heads softmax,mos,mixtape_shared] [--ds 16,32,64,128]
         [--repeats 5] [--data_dir PTB_DIR] [--shared-gate-below 100] [--memory-budget-mib 32]
-        [--embedding factorized|fixed] [--baseline OTHER_CHECKOUT]
+        [--embedding factorized|fixed] [--baseline OTHER_CHECKOUT] [--preload ALLOCATOR.so]
         [--out benchmarks/results/study_step.json]
 
 ``--baseline DIR`` (e.g. ``git worktree add /tmp/baseline COMMIT``) times every cell's step with
 that checkout's library too, in the same run: a second worker process, its calls interleaved
-with the first's, and the table gains each cell's ratio to itself there.
+with the first's, and the table gains each cell's ratio to itself there. ``--preload LIB``
+(e.g. ``/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4``) does the same with this checkout's
+library in a process started with ``LD_PRELOAD=LIB``: another memory allocator, the same code.
+Every version's steps run in the same order on the same window from the same initial state, so
+each also says whether its losses equal this checkout's bit for bit (an allocator must not
+change them; another commit may by round-off).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +100,9 @@ def step_call(
 
 
 def worker(counts_path: str, shared_gate_below: str, budget: str, embedding: str) -> None:
-    """Reads cells ``head@d`` on stdin; answers the first ask of each with ``{}`` (built and
-    compiled) and every later one with one step's milliseconds, as a JSON line each."""
+    """Reads cells ``head@d`` on stdin; answers the first ask of each with its step's loss
+    (built and compiled) and every later one with its step's milliseconds and loss, as a JSON
+    line each."""
     import jax
 
     counts = np.load(counts_path)
@@ -110,42 +116,80 @@ def worker(counts_path: str, shared_gate_below: str, budget: str, embedding: str
                 head, int(d), window, counts, float(shared_gate_below),
                 None if budget == "None" else float(budget), embedding,
             )  # fmt: skip
-            jax.block_until_ready(calls[cell]())
-            print("{}", flush=True)
+            metrics = jax.block_until_ready(calls[cell]())
+            print(json.dumps({"loss": float(metrics.loss)}), flush=True)
             continue
         start = time.perf_counter()
-        jax.block_until_ready(calls[cell]())
-        print(json.dumps({"ms": 1e3 * (time.perf_counter() - start)}), flush=True)
+        metrics = jax.block_until_ready(calls[cell]())
+        ms = 1e3 * (time.perf_counter() - start)
+        print(json.dumps({"ms": ms, "loss": float(metrics.loss)}), flush=True)
 
 
 def timed_by_workers(
     args: argparse.Namespace, cells: list[str], counts: np.ndarray
-) -> tuple[dict[str, dict[str, list[float]]], dict[str, str]]:
-    """Each cell's step with this checkout's library (and ``--baseline``'s), each version in a
-    worker process of its own, the calls interleaved: ``{"now": times[, "baseline": times]}``
-    and each version's commit."""
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[float]]], dict[str, str]]:
+    """Each cell's step with this checkout's library (and ``--baseline``'s, and this one's under
+    ``--preload``), each version in a worker process of its own, the calls interleaved:
+    ``{"now": times[, "baseline": times][, "preload": times]}``, each version's losses of
+    every step (the compiling one first) in the same shape, and each version's commit."""
     counts_path = args.out.with_suffix(".counts.npy")
     counts_path.parent.mkdir(parents=True, exist_ok=True)
     np.save(counts_path, counts)
-    roots = {"now": CHECKOUT}
+    versions = {"now": (CHECKOUT, {})}
     if args.baseline is not None:
-        roots["baseline"] = args.baseline.resolve()
+        versions["baseline"] = (args.baseline.resolve(), {})
+    if args.preload is not None:
+        versions["preload"] = (CHECKOUT, {"LD_PRELOAD": str(args.preload.resolve())})
     options = (counts_path, args.shared_gate_below, args.memory_budget_mib, args.embedding)
-    workers = {name: Worker(root, __file__, *options) for name, root in roots.items()}
-    times: dict[str, dict[str, list[float]]] = {name: {c: [] for c in cells} for name in roots}
-    order = [(name, cell) for cell in cells for name in roots]
+    workers = {
+        name: Worker(root, __file__, *options, env=env) for name, (root, env) in versions.items()
+    }
+    times: dict[str, dict[str, list[float]]] = {name: {c: [] for c in cells} for name in versions}
+    losses: dict[str, dict[str, list[float]]] = {n: {c: [] for c in cells} for n in versions}
+    order = [(name, cell) for cell in cells for name in versions]
     with tqdm(total=len(order) * (args.repeats + 1), desc="study steps") as progress:
         for name, cell in order:
-            workers[name].ask(cell)
+            losses[name][cell].append(workers[name].ask(cell)["loss"])
             progress.update()
         for repetition in range(args.repeats):
             for name, cell in order if repetition % 2 == 0 else reversed(order):
-                times[name][cell].append(workers[name].ask(cell)["ms"])
+                answer = workers[name].ask(cell)
+                times[name][cell].append(answer["ms"])
+                losses[name][cell].append(answer["loss"])
                 progress.update()
     for w in workers.values():
         w.close()
     counts_path.unlink()
-    return times, {name: commit_of(root) for name, root in roots.items()}
+    return times, losses, {name: commit_of(root) for name, (root, _) in versions.items()}
+
+
+def same_losses(losses: Sequence[float], reference: Sequence[float]) -> str:
+    """``yes`` where every step's loss equals the reference's bit for bit, else the largest
+    relative difference."""
+    if list(losses) == list(reference):
+        return "yes"
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+    return f"no ({worst:.1e})"
+
+
+def comparison_columns(
+    label: str, times: Mapping[str, list[float]], other: Mapping[str, list[float]],
+    losses: Mapping[str, list[float]], other_losses: Mapping[str, list[float]], cells: list[str],
+) -> tuple[list[str], list[list[str]]]:  # fmt: skip
+    """The columns comparing another version's steps (``other``, called ``label``) with this
+    checkout's: its median ms, its median ratio to this checkout's step, its ratio to softmax
+    there, and whether its losses equal this checkout's."""
+    header = [f"ms {label}", f"x {label}", f"x softmax {label}", f"losses equal {label}"]
+    rows = []
+    for cell in cells:
+        softmax = other[f"softmax@{cell.split('@')[1]}"]
+        rows.append([
+            f"{statistics.median(other[cell]):.1f}",
+            f"{median_ratio(other[cell], times[cell]):.2f}",
+            f"{median_ratio(other[cell], softmax):.2f}",
+            same_losses(other_losses[cell], losses[cell]),
+        ])  # fmt: skip
+    return header, rows
 
 
 def main() -> None:
@@ -169,6 +213,10 @@ def main() -> None:
     parser.add_argument(
         "--baseline", type=Path, help="a checkout whose library's steps run interleaved with these"
     )
+    parser.add_argument(
+        "--preload", type=Path,
+        help="a shared library (a memory allocator) under which this checkout's steps also run",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/study_step.json"))
     args = parser.parse_args()
     heads = [name.strip() for name in args.heads.split(",") if name.strip()]
@@ -186,12 +234,14 @@ def main() -> None:
         parser.error(f"--ds must be >= 1, got {args.ds!r}")
     if args.baseline is not None and not (args.baseline / "bottleneck").is_dir():
         parser.error(f"--baseline {args.baseline} has no bottleneck/ package")
+    if args.preload is not None and not args.preload.is_file():
+        parser.error(f"--preload {args.preload}: no such file")
 
     data = study.trunk.data
     steps_per_epoch = data.steps_per_epoch(np.zeros(PTB_TRAIN_TOKENS, np.int32), SEED)
     counts, counts_source = token_counts(args.data_dir, VOCAB)
     cells = [f"{head}@{d}" for d in ds for head in heads]
-    versions, commits = timed_by_workers(args, cells, counts)
+    versions, losses, commits = timed_by_workers(args, cells, counts)
     times = versions["now"]
     ms = medians(times)
     ratios = {
@@ -204,20 +254,32 @@ def main() -> None:
         for cell in cells
     ]  # fmt: skip
     against = ""
+    labels = {"baseline": f"at {commits.get('baseline')}"}
+    if args.preload is not None:
+        labels["preload"] = f"with {args.preload.name}"
+    for name, label in labels.items():
+        if name in versions:
+            extra_header, extra_rows = comparison_columns(
+                label, times, versions[name], losses["now"], losses[name], cells
+            )
+            header += extra_header
+            for row, extra in zip(rows, extra_rows, strict=True):
+                row += extra
     if "baseline" in versions:
-        before = versions["baseline"]
-        header += [f"ms at {commits['baseline']}", "x baseline", "x softmax there"]
-        for row, cell in zip(rows, cells, strict=True):
-            softmax = before[f"softmax@{cell.split('@')[1]}"]
-            row += [
-                f"{statistics.median(before[cell]):.1f}",
-                f"{median_ratio(times[cell], before[cell]):.2f}",
-                f"{median_ratio(before[cell], softmax):.2f}",
-            ]
-        against = (
+        against += (
             f" Against {commits['baseline']}: the same steps with that checkout's library, each "
-            "version in a worker process of its own, the calls interleaved; x baseline: the "
-            "median ratio of the step to the same cell's there."
+            "version in a worker process of its own, the calls interleaved."
+        )
+    if "preload" in versions:
+        against += (
+            f" With {args.preload}: the same steps with this checkout's library in a worker "
+            "process started with LD_PRELOAD set to it, interleaved likewise."
+        )
+    if against:
+        against += (
+            " x LABEL: the median ratio of that version's step to this checkout's for the same "
+            "cell; losses equal: whether its loss at every step (the same steps in the same "
+            "order) equals this checkout's bit for bit, else the largest relative difference."
         )
     markdown = (
         f"# The study's training step per head and d ({data.batch_size} x {data.bptt} tokens, "
@@ -242,6 +304,9 @@ def main() -> None:
             "ratio_to_softmax": ratios,
             "times_ms": times,
             "baseline_times_ms": versions.get("baseline"),
+            "preload": None if args.preload is None else str(args.preload),
+            "preload_times_ms": versions.get("preload"),
+            "losses": losses,
             "commits": commits,
             "trunk": dataclasses.asdict(study.trunk.model),
             "shared_gate_below": args.shared_gate_below,

@@ -47,3 +47,26 @@ def test_a_checkout_without_a_module_the_worker_imports_stops_it(script, tmp_pat
     worker.close()
     err = capfd.readouterr().err
     assert f"the checkout {old} lacks " in err and "bottleneck.normalizers" in err, err
+
+
+def test_a_worker_runs_with_the_environment_it_is_given(tmp_path):
+    # --preload's worker: the same library, another environment (LD_PRELOAD, an allocator).
+    path = tmp_path / "env_worker.py"
+    path.write_text(
+        f"import json, os, sys\nsys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "from _timing import worker_cases\n"
+        "for case in worker_cases():\n"
+        "    print(json.dumps(os.environ.get(case)), flush=True)\n"
+    )
+    worker = Worker(ROOT, str(path), env={"BOTTLENECK_TEST_SETTING": "on"})
+    try:
+        assert worker.ask("BOTTLENECK_TEST_SETTING") == "on"
+    finally:
+        worker.close()
+
+
+def test_losses_equal_bit_for_bit_or_the_largest_relative_difference():
+    from study_step import same_losses
+
+    assert same_losses([1.5, 2.0], [1.5, 2.0]) == "yes"
+    assert same_losses([1.5, 2.0 * (1 + 2**-20)], [1.5, 2.0]) == "no (9.5e-07)"
