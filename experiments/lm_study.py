@@ -280,13 +280,20 @@ def run_study(config: Config) -> dict[str, Any]:
             landed = True
         if landed and config.after_cell:
             run_hook(config.after_cell, name, results_csv)
+    return finish_study(config, run, rows, curves, start)
+
+
+def finish_study(
+    config: Config, run: RunDir, rows: list[dict[str, Any]], curves: dict, start: float
+) -> dict[str, Any]:
+    """The grid's ranks (where ``rank_d`` is set) and report, written to the study's folder."""
     ranks = rank_cells(config, run) if config.rank_d is not None else []
     study = write_report(run, config, rows, curves, ranks)
     study["seconds_this_invocation"] = time.perf_counter() - start
     run.write_json("study.json", study)
     failed = sum(r["status"] == "failed" for r in rows)
     print(
-        f"\nwrote {root}/: study.json, study.csv, study.md, test_ppl_vs_d.png, "
+        f"\nwrote {Path(config.out_dir)}/: study.json, study.csv, study.md, test_ppl_vs_d.png, "
         f"learning_curves.png{', rank/' if ranks else ''}"
         + (f"\n{failed} cell(s) failed; rerun the same command to retry them" if failed else "")
     )
