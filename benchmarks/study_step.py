@@ -173,23 +173,22 @@ def same_losses(losses: Sequence[float], reference: Sequence[float]) -> str:
 
 
 def comparison_columns(
-    label: str, times: Mapping[str, list[float]], other: Mapping[str, list[float]],
+    other: Mapping[str, list[float]], ratios: Mapping[str, float],
     losses: Mapping[str, list[float]], other_losses: Mapping[str, list[float]], cells: list[str],
-) -> tuple[list[str], list[list[str]]]:  # fmt: skip
-    """The columns comparing another version's steps (``other``, called ``label``) with this
-    checkout's: its median ms, its median ratio to this checkout's step, its ratio to softmax
-    there, and whether its losses equal this checkout's."""
-    header = [f"ms {label}", f"x {label}", f"x softmax {label}", f"losses equal {label}"]
+) -> list[list[str]]:  # fmt: skip
+    """Per cell, the columns comparing another version's steps (``other``) with this checkout's:
+    its median ms, the caller's ratio of the two, its ratio to softmax there, and whether its
+    losses equal this checkout's."""
     rows = []
     for cell in cells:
         softmax = other[f"softmax@{cell.split('@')[1]}"]
         rows.append([
             f"{statistics.median(other[cell]):.1f}",
-            f"{median_ratio(other[cell], times[cell]):.2f}",
+            f"{ratios[cell]:.2f}",
             f"{median_ratio(other[cell], softmax):.2f}",
             same_losses(other_losses[cell], losses[cell]),
         ])  # fmt: skip
-    return header, rows
+    return rows
 
 
 def main() -> None:
@@ -253,33 +252,38 @@ def main() -> None:
          f"{ms[cell] * steps_per_epoch / 1e3:.0f}"]
         for cell in cells
     ]  # fmt: skip
-    against = ""
-    labels = {"baseline": f"at {commits.get('baseline')}"}
-    if args.preload is not None:
-        labels["preload"] = f"with {args.preload.name}"
-    for name, label in labels.items():
-        if name in versions:
-            extra_header, extra_rows = comparison_columns(
-                label, times, versions[name], losses["now"], losses[name], cells
-            )
-            header += extra_header
-            for row, extra in zip(rows, extra_rows, strict=True):
-                row += extra
+    # Each other version: its columns' names, its ratio to this checkout's step, its sentence.
+    comparisons = []
     if "baseline" in versions:
-        against += (
+        before = versions["baseline"]
+        comparisons.append((
+            "baseline",
+            [f"ms at {commits['baseline']}", "x baseline", "x softmax there", "same losses"],
+            {c: median_ratio(times[c], before[c]) for c in cells},
             f" Against {commits['baseline']}: the same steps with that checkout's library, each "
-            "version in a worker process of its own, the calls interleaved."
-        )
+            "version in a worker process of its own, the calls interleaved; x baseline: the "
+            "median ratio of the step to the same cell's there.",
+        ))  # fmt: skip
     if "preload" in versions:
-        against += (
+        preloaded, lib = versions["preload"], args.preload.name
+        comparisons.append((
+            "preload",
+            [f"ms with {lib}", f"x with {lib}", f"x softmax with {lib}", "same losses"],
+            {c: median_ratio(preloaded[c], times[c]) for c in cells},
             f" With {args.preload}: the same steps with this checkout's library in a worker "
-            "process started with LD_PRELOAD set to it, interleaved likewise."
-        )
+            f"process started with LD_PRELOAD set to it, interleaved likewise; x with {lib}: the "
+            "median ratio of its step to the same cell's without it.",
+        ))  # fmt: skip
+    against = ""
+    for name, names, ratios_there, sentence in comparisons:
+        header += names
+        extra = comparison_columns(versions[name], ratios_there, losses["now"], losses[name], cells)
+        rows = [row + more for row, more in zip(rows, extra, strict=True)]
+        against += sentence
     if against:
         against += (
-            " x LABEL: the median ratio of that version's step to this checkout's for the same "
-            "cell; losses equal: whether its loss at every step (the same steps in the same "
-            "order) equals this checkout's bit for bit, else the largest relative difference."
+            " same losses: whether that version's loss at every step (the same steps in the "
+            "same order) equals this checkout's bit for bit, else the largest relative difference."
         )
     markdown = (
         f"# The study's training step per head and d ({data.batch_size} x {data.bptt} tokens, "
