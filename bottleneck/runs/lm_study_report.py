@@ -8,11 +8,15 @@ named by its table and row); the plots.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 
 from bottleneck.runs.cli import markdown_table, pyplot
@@ -170,159 +174,88 @@ def trained_seconds(rows: list[dict[str, Any]]) -> float:
     return sum(r["train_seconds"] for r in rows if r["status"] == "done")
 
 
-def markdown(table: list[dict[str, Any]], rows: list[dict[str, Any]], config: Config) -> str:
-    """The results page's body: what the grid is, the table of heads x d, the gains' statistics
-    (intervals, p-values, Holm, the design's power, the trend with d, the pairs that cross
-    devices), the head x d grid beside the published gains, the cost, the compute."""
+def markdown(
+    table: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    config: Config,
+    ranks: Sequence[dict[str, Any]] = (),
+) -> str:
+    """The results page's body, rendered from the template lm_study_report.md.j2 (the prose)
+    with the numbers and the tables' rows computed here: the grid, the table of heads x d, the
+    gains' statistics, the design's power, the trend with d, the device crossings, the cost,
+    the tuned arm, the convergence probe, the compute, the pending cells and the ranks."""
     done = [r for r in rows if r["status"] == "done"]
     tested = [e for e in table if e.get("p_value") is not None]
-    lines = _table_section(table, done, config) + _stats_section(tested)
-    lines += _grid_section(table, config)
-    if tested:
-        lines += ["", _power_text(tested)]
-        lines += _trend_section(table, config) + _crossing_section(tested)
-    lines += _cost_section(table, config)
-    if config.tuned_csvs:
-        lines += ["", _tuned_text(tuned_arm(config, rows), config)]
-    if config.probe_csv is not None:
-        lines += ["", _probe_text(convergence_probe(config, rows, table), config)]
-    if done:
-        lines += ["", _compute_text(done, main_device(rows))]
-    return "\n".join(lines + _status_section(rows)) + "\n"
-
-
-def _table_section(
-    table: list[dict[str, Any]], done: list[dict[str, Any]], config: Config
-) -> list[str]:
-    """What the grid is, then the table of heads x d."""
-    trunk = config.trunk
-    return [
-        _design_text(table, done, config),
-        "",
-        "Test perplexity of the best-validation model, mean ± std over seeds; gain = softmax's "
-        "test perplexity minus the head's at the same d and seed (positive: better than "
-        "softmax), averaged over the seeds where both finished (a head and softmax of one seed "
-        "share its data order and initial trunk); its ± is the std of those per-seed gains, and "
-        "'better in' counts the seeds in which the head beats softmax. "
-        f"Budget {trunk.training.epochs} epochs per cell, early stopping with patience "
-        f"{trunk.training.patience}; "
-        "'stopped early' counts the seeds whose validation perplexity stopped improving before "
-        "the budget ended; 'converged' those converged by the study's stopping rule: stopped "
-        "early, or their last three epochs improved validation by less than "
-        f"{100 * CONVERGED_IMPROVEMENT:g}% in all.",
-        "",
-        markdown_table([_table_row(e, _decimals(table)) for e in table]),
-    ]
-
-
-def _stats_section(tested: list[dict[str, Any]]) -> list[str]:
-    """The gains' intervals, p-values and Holm's correction (none below two paired seeds)."""
-    if not tested:
-        return []
-    return [
-        "",
-        f"The gains' statistics: the paired {1 - ALPHA:.0%} confidence interval of the mean "
-        "gain in % (a t interval over the per-seed gains, ddof = 1), the p-value of the "
-        "paired t test (two-sided) and the same p-value corrected for multiplicity by Holm "
-        f"over all {tested[0]['comparisons']} head × d comparisons of the grid. Where the "
-        "interval spans 0 the reading is 'no detectable difference'; otherwise a gain or a "
-        f"loss at {1 - ALPHA:.0%} for that comparison alone, and 'after Holm' where the "
-        f"corrected p is below {ALPHA:g} too. 'Devices' names the seeds whose head and "
-        "softmax cells trained on different devices (below: the gains without them).",
-        "",
-        markdown_table([_stats_row(e) for e in tested]),
-    ]
-
-
-def _grid_section(table: list[dict[str, Any]], config: Config) -> list[str]:
-    """The gains as a head x d grid, beside the published gains on PTB."""
-    grid = gains_by_d(table, config, _decimals(table))
-    legend = (
-        "The same gains, a column per d (softmax's row: its test perplexity; the others': mean "
-        f"gain over softmax in %, its paired {1 - ALPHA:.0%} interval, and in how many paired "
-        "seeds the head wins; † where a seed's pair crosses devices)"
+    budget_ended = [r for r in done if not r["stop_reason"].startswith("early")]
+    device = main_device(rows)
+    tuned = tuned_arm(config, rows) if config.tuned_csvs else []
+    probe = convergence_probe(config, rows, table) if config.probe_csv is not None else []
+    page = _template().render(
+        config=config,
+        trunk=config.trunk,
+        head=config.trunk.head,
+        any_head=lambda *names: any(name in config.heads for name in names),
+        rows=rows,
+        done=done,
+        tested=tested,
+        softmax=sorted((e for e in table if e["head"] == "softmax"), key=lambda e: e["d"]),
+        budget_ended=budget_ended,
+        still_improving=[r for r in budget_ended if _last_epoch_improved(r)],
+        summary_rows=[_table_row(e, _decimals(table)) for e in table],
+        stats_rows=[_stats_row(e) for e in tested],
+        grid=gains_by_d(table, config, _decimals(table)),
+        published=PUBLISHED_PTB if _grid_axes(table, config)[3] else {},
+        power_rows=_power_rows(tested) if tested else [],
+        trend_rows=[_trend_row(t) for t in gain_trends(table, config)] if tested else [],
+        crossing_rows=[_crossing_row(e) for e in tested if e["cross_device_seeds"]],
+        costs=costs_by_d(table, config),
+        tuned_d=tuned[0]["d"] if tuned else None,
+        tuned_rows=_tuned_rows(tuned),
+        probe_rows=[_probe_row(e) for e in probe],
+        device=device,
+        compute=_hours_by_device(done, device),
+        elsewhere=[r for r in done if r["device"] != device],
+        pending=[r for r in rows if r["status"] == "pending"],
+        failed=[r for r in rows if r["status"] == "failed"],
+        ranks=ranks,
+        rank_rows=[
+            {
+                "head": r["head"],
+                "numerical rank": r["numerical_rank"],
+                "effective rank (99%)": r["effective_rank"],
+            }
+            for r in ranks
+        ],  # fmt: skip
+        confidence=f"{1 - ALPHA:.0%}",
+        alpha=ALPHA,
+        power=f"{POWER:.0%}",
+        converged_improvement=CONVERGED_IMPROVEMENT,
     )
-    if grid and "published (PTB)" in grid[0]:
-        legend += ", and the head's published gain on PTB, " + _published_text()
-    return ["", legend + ":", "", markdown_table(grid)]
+    return _reflow(page)
 
 
-def _trend_section(table: list[dict[str, Any]], config: Config) -> list[str]:
-    """Each head's slope of the gain on log2 d, with its interval."""
-    trends = gain_trends(table, config)
-    if not trends:
-        return []
-    return [
-        "",
-        "The trend with d: each head's change of gain per doubling of d, with the seeds as "
-        "the replicates: each seed's least-squares slope of its gains (in points of %) on "
-        f"log2 d, then their mean over the seeds with its {1 - ALPHA:.0%} t interval and "
-        "p-value (n - 1 degrees of freedom), the p-value also corrected by Holm over the "
-        f"{len(trends)} heads' trends. A seed's cells share its data order at every d "
-        "(with a fixed trunk, its initial trunk too), so the cells are not independent "
-        "replicates: a regression pooled over them would give too narrow an interval where "
-        "the seeds' own slopes differ. " + _trend_caveat(config),
-        "",
-        markdown_table([_trend_row(t) for t in trends]),
-    ]
-
-
-def _crossing_section(tested: list[dict[str, Any]]) -> list[str]:
-    """The comparisons with a seed whose head and softmax trained on different devices."""
-    crossing = [e for e in tested if e["cross_device_seeds"]]
-    if not crossing:
-        return []
-    return [
-        "",
-        "Pairs that cross devices: a head and its softmax of one seed trained on "
-        "different devices, whose float arithmetic differs, so that a device's effect "
-        "passes for the head's in those seeds. Their gains with every seed "
-        "and without the crossing ones:",
-        "",
-        markdown_table([_crossing_row(e) for e in crossing]),
-    ]
-
-
-def _cost_section(table: list[dict[str, Any]], config: Config) -> list[str]:
-    """Each head's seconds per epoch over softmax's, paired by seed."""
-    costs = costs_by_d(table, config)
-    if not costs:
-        return []
-    published = (
-        "; the last column is the published ratio on PTB (the seconds per epoch in the "
-        "sources above, on a GPU)"
-        if "published (PTB)" in costs[0]
-        else ""
+@functools.cache
+def _template() -> jinja2.Template:
+    environment = jinja2.Environment(
+        trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined
     )
-    return [
-        "",
-        "Cost: each head's seconds per epoch over softmax's at the same d and seed, the "
-        "median over the paired seeds (smallest–largest). Where a head's cell and "
-        "softmax's (one d and seed) trained on one machine the ratio cancels the machine's "
-        "speed, which the s/epoch column above does not; the seconds are wall time, so a "
-        "cell that shared its machine with other work reads slower (a step's idle cost is "
-        "in benchmarks/results/study_step*.md)" + published + ":",
-        "",
-        markdown_table(costs),
-    ]
+    environment.filters["fmt"] = format
+    environment.filters["cell"] = lambda row: cell_name(row["head"], row["d"], row["seed"])
+    environment.globals["table"] = markdown_table
+    template = Path(__file__).with_name("lm_study_report.md.j2").read_text("utf-8")
+    return environment.from_string(template)
 
 
-def _status_section(rows: list[dict[str, Any]]) -> list[str]:
-    """The pending cells (the report is then partial) and the failed ones."""
-    lines = []
-    pending = [r for r in rows if r["status"] == "pending"]
-    if pending:
-        lines += [
-            "",
-            f"**Partial**: {len(rows) - len(pending)} of {len(rows)} cells done; pending: "
-            + ", ".join(cell_name(r["head"], r["d"], r["seed"]) for r in pending)
-            + ".",
-        ]
-    failed = [r for r in rows if r["status"] == "failed"]
-    if failed:
-        lines += ["", "Failed cells (rerun the command to retry them):", ""]
-        lines += [f"- {cell_name(r['head'], r['d'], r['seed'])}: {r['error']}" for r in failed]
-    return lines
+def _reflow(page: str) -> str:
+    """The rendered template with each paragraph on one line (its whitespace runs made single
+    spaces), the paragraphs one blank line apart; tables and lists as they are."""
+    blocks = [block.strip("\n") for block in re.split(r"\n\s*\n", page) if block.strip()]
+    return (
+        "\n\n".join(
+            block if block.startswith(("|", "- ")) else " ".join(block.split()) for block in blocks
+        )
+        + "\n"
+    )
 
 
 def _setting(row: dict[str, Any], config: Config) -> tuple[float, float]:
@@ -390,9 +323,9 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     return entries
 
 
-def _tuned_text(entries: list[dict[str, Any]], config: Config) -> str:
-    if not entries:
-        return "Tuned arm: no cell recorded yet in " + ", ".join(config.tuned_csvs) + "."
+def _tuned_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tuned arm's table: a head's choice, each setting's first-seed validation, its seeds'
+    test perplexity and its gains, tuned and in the recipe."""
     settings = sorted({s for e in entries for s in e["first_seed_valid"]})
     table = []
     for e in entries:
@@ -410,18 +343,7 @@ def _tuned_text(entries: list[dict[str, Any]], config: Config) -> str:
             )  # fmt: skip
         row["devices"] = _tuned_devices_text(e)
         table.append(row)
-    return "\n".join([
-        f"**Tuned arm** at d = {entries[0]['d']}: each head's peak learning rate and dropout "
-        "chosen by the validation perplexity of its first seed (one column a setting), then "
-        "its seeds at that choice; 'gain, tuned' is over softmax at softmax's own choice, "
-        "paired by seed, with its paired "
-        f"{1 - ALPHA:.0%} interval; 'gain, recipe' is the one-recipe grid's gain over the same "
-        "seeds. The tuned arm's choice uses the first seed's validation, so that seed's gain is "
-        "not a held-out estimate. 'devices': 'same' where the cells compared, for the choice "
-        "and in the tuned pairs, trained on one device.",
-        "",
-        markdown_table(table),
-    ])  # fmt: skip
+    return table
 
 
 def _tuned_devices_text(e: dict[str, Any]) -> str:
@@ -469,118 +391,21 @@ def _half_width(e: dict[str, Any]) -> float:
     return (high - low) / 2
 
 
-def _probe_text(entries: list[dict[str, Any]], config: Config) -> str:
-    if not entries:
-        return f"Convergence probe: no cell of {config.probe_csv} has its grid cell yet."
-    table = [
-        {
-            "d": e["d"],
-            "head": e["head"],
-            "seed": e["seed"],
-            "epochs (grid → probe)": f"{e['epochs'][0]} → {e['epochs'][1]}",
-            "test ppl (grid → probe)": f"{e['test_ppl'][0]:.2f} → {e['test_ppl'][1]:.2f}",
-            "change (%)": f"{e['change_pct']:+.2f}",
-            "gain's half-width (%)": "—" if e["half_width"] is None else f"{e['half_width']:.2f}",
-            "within": (
-                "—" if e["half_width"] is None
-                else "yes" if abs(e["change_pct"]) < e["half_width"] else "no"
-            ),
-            "device": "same" if e["same_device"] else "differs",
-        }
-        for e in entries
-    ]  # fmt: skip
-    return "\n".join([
-        "**Convergence probe**: cells retrained with a longer budget and the same schedule's "
-        f"shape ({config.probe_csv}) beside the grid's; 'within' says whether the change of "
-        f"test perplexity is smaller than the half-width of the gain's {1 - ALPHA:.0%} interval "
-        "at that d (for softmax, the widest of the probed heads'), i.e. whether a longer budget "
-        "moves a cell less than the comparisons can resolve.",
-        "",
-        markdown_table(table),
-    ])  # fmt: skip
-
-
-def _design_text(table: list[dict[str, Any]], done: list[dict[str, Any]], config: Config) -> str:
-    """What the grid is, in the report's first paragraph: the trunk and what d sizes, the
-    seeds, the devices, the heads' settings beside the papers', the learning rate's schedule
-    and whether the cells that ended their budget were still improving."""
-    trunk = config.trunk
-    parts = [f"The grid: {_trunk_text(config)}; seeds {', '.join(map(str, config.seeds))}"]
-    softmax = sorted((e for e in table if e["head"] == "softmax"), key=lambda e: e["d"])
-    if len(softmax) > 1:
-        parts[-1] += (
-            f"; softmax's parameters go from {softmax[0]['params'] / 1e6:.2f} M at d = "
-            f"{softmax[0]['d']} to {softmax[-1]['params'] / 1e6:.2f} M at d = {softmax[-1]['d']}"
-        )
-    devices = sorted({r["device"] for r in done})
-    if devices:
-        parts[-1] += "; " + ", ".join(
-            f"{sum(r['device'] == dev for r in done)} cells trained on {dev or 'an unrecorded device'}"
-            for dev in devices
-        )
-    parts[-1] += "."
-    settings = _head_settings(config)
-    if settings:
-        parts.append("Heads: " + ", ".join(settings) + ".")
-    optimizer = trunk.optimizer
-    if optimizer.decay_epochs is not None:
-        parts.append(
-            f"The learning rate decays (a cosine) to {optimizer.final_lr_fraction:.0%} of its "
-            f"peak at epoch {optimizer.decay_epochs} and stays there: 'converged' below means "
-            "converged by the study's stopping rule, not a converged model."
-        )
-    budget = [r for r in done if not r["stop_reason"].startswith("early")]
-    if budget:
-        improving = [r for r in budget if _last_epoch_improved(r)]
-        parts.append(
-            f"Of the {len(budget)} cells that ended their {trunk.training.epochs}-epoch budget, "
-            f"{len(improving)} still improved validation in their last epoch."
-        )
-    return " ".join(parts)
-
-
-def _trunk_text(config: Config) -> str:
-    """The trunk, and what d sizes besides the head's input."""
-    model = config.trunk.model
-    if model.family == "transformer" and config.embedding == "fixed":
-        return (
-            f"a fixed trunk: {model.num_layers} pre-norm Transformer layers of width "
-            f"{model.d_model} with the same input embedding at every d (a "
-            f"{model.embedding_features or model.d_model}-wide table, tied with the head's "
-            "decoder through a learned map Q: W = E Q), so only the head changes with d"
-        )
-    if model.family == "transformer":
-        return (
-            f"a factorized-embedding trunk: {model.num_layers} pre-norm Transformer layers of "
-            f"width {model.d_model} whose input embedding also has width d (a d-wide table "
-            f"tied with the head's decoder, projected up to {model.d_model}), so d sizes the "
-            "input embedding as well as the head's input"
-        )
-    return (
-        f"a {model.nlayers}-layer AWD-LSTM whose last layer, tied embedding and head input "
-        "have width d"
-    )
-
-
-def _head_settings(config: Config) -> list[str]:
-    """The heads' settings that differ from their papers', each beside the paper's."""
-    heads, head = set(config.heads), config.trunk.head
-    settings = []
-    if heads & {"mos", "moss", "mos_plif", "mixtape"}:
-        settings.append(
-            f"the mixtures at K = {head.num_components} with {head.latent} latents (Yang et al. "
-            "2018: K = 15, tanh)"
-        )
-    if "mixtape" in heads and head.shared_gate_below is None:
-        settings.append("Mixtape without gate sharing")
-    elif "mixtape" in heads:
-        settings.append(
-            f"Mixtape with gate sharing (words seen fewer than {head.shared_gate_below:g} times "
-            "in training share one gate)"
-        )
-    if heads & {"plif", "mos_plif"}:
-        settings.append(f"PLIF at {head.num_knots:,} knots (Ganea et al. 2019: 10^5)")
-    return settings
+def _probe_row(e: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "d": e["d"],
+        "head": e["head"],
+        "seed": e["seed"],
+        "epochs (grid → probe)": f"{e['epochs'][0]} → {e['epochs'][1]}",
+        "test ppl (grid → probe)": f"{e['test_ppl'][0]:.2f} → {e['test_ppl'][1]:.2f}",
+        "change (%)": f"{e['change_pct']:+.2f}",
+        "gain's half-width (%)": "—" if e["half_width"] is None else f"{e['half_width']:.2f}",
+        "within": (
+            "—" if e["half_width"] is None
+            else "yes" if abs(e["change_pct"]) < e["half_width"] else "no"
+        ),
+        "device": "same" if e["same_device"] else "differs",
+    }  # fmt: skip
 
 
 def _last_epoch_improved(row: dict[str, Any]) -> bool:
@@ -659,9 +484,10 @@ def design_spreads(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return spreads
 
 
-def _power_text(tested: list[dict[str, Any]]) -> str:
-    spreads = design_spreads(tested)
-    rows = [
+def _power_rows(tested: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The design's power at each of :func:`design_spreads`: the gain detectable at its seeds,
+    the seeds needed for a gain of 1 point."""
+    return [
         {
             "spread of the per-seed gains": s["spread"],
             "points of %": f"{s['value']:.2f}",
@@ -674,15 +500,8 @@ def _power_text(tested: list[dict[str, Any]]) -> str:
                 str(seeds_needed(1.0, s["value"])) if s["value"] > 0 else "—"
             ),
         }
-        for s in spreads
+        for s in design_spreads(tested)
     ]
-    return (
-        f"The design's power: the smallest true mean gain that the paired t test (two-sided, "
-        f"alpha {ALPHA:g}) detects with {POWER:.0%} power with n seeds (the fewest paired "
-        f"seeds of any comparison in the row), and the seeds such a test needs for {POWER:.0%} "
-        "power against a gain of 1 point of % (noncentral t), "
-        "at the observed spread of the per-seed gains:\n\n" + markdown_table(rows)
-    )
 
 
 def gain_trends(table: list[dict[str, Any]], config: Config) -> list[dict[str, Any]]:
@@ -715,47 +534,15 @@ def _trend_row(t: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _trend_caveat(config: Config) -> str:
-    if config.trunk.model.family != "transformer":
-        return "d also widens the LSTM's last layer and the embedding, not the head alone."
-    if config.embedding == "fixed":
-        return (
-            "The trunk is the same at every d (above), so the trend is that of the head's "
-            "input width, on one recipe: the learning rate and dropout chosen once for all d."
-        )
-    return (
-        "A trend, not the bottleneck's effect: d also sizes the input embedding (the "
-        "factorized trunk above), so the model grows with d as well as the head's input; a "
-        "fixed-trunk grid would separate the two."
-    )
-
-
-def _compute_text(done: list[dict[str, Any]], device: str) -> str:
-    """The finished cells' training hours, by device where some trained elsewhere than on
-    ``device`` (whose seconds alone the s/epoch column and the cost grid compare)."""
-    devices = sorted({r["device"] for r in done}, key=lambda dev: dev != device)
+def _hours_by_device(done: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
+    """The finished cells' training hours and count per device, ``device`` (whose seconds alone
+    the s/epoch column and the cost grid compare) first, then the others by name."""
+    devices = sorted({r["device"] for r in done}, key=lambda dev: (dev != device, dev))
     by_device = {dev: [r for r in done if r["device"] == dev] for dev in devices}
-    hours = {dev: trained_seconds(cells) / 3600 for dev, cells in by_device.items()}
-    not_counted = (
-        "the sum of their training seconds; evaluation, the consequences' measurements and "
-        "time lost to interruptions not counted"
-    )
-    if len(devices) == 1:
-        return (
-            f"Compute: the {len(done)} finished cells trained for {hours[device]:.1f} hours in "
-            f"all ({not_counted})."
-        )
-    spent = " and ".join(
-        f"{hours[dev]:.1f} hours on {dev or 'an unrecorded device'} for {len(by_device[dev])} cells"
-        for dev in devices
-    )
-    others = [r for r in done if r["device"] != device]
-    return (
-        f"Compute: the {len(done)} finished cells trained for {spent} ({not_counted}). The "
-        f"s/epoch column and the cost grid compare only the cells trained on {device}: "
-        + ", ".join(cell_name(r["head"], r["d"], r["seed"]) for r in others)
-        + " count in perplexity alone."
-    )
+    return [
+        {"device": dev, "hours": trained_seconds(cells) / 3600, "cells": len(cells)}
+        for dev, cells in by_device.items()
+    ]
 
 
 def gains_by_d(table: list[dict[str, Any]], config: Config, decimals: int) -> list[dict[str, str]]:
@@ -886,16 +673,6 @@ def _published_softmax_text() -> str:
     baselines = [PUBLISHED_PTB["softmax"].head_ppl]
     baselines += [r.softmax_ppl for r in PUBLISHED_PTB.values() if r.softmax_ppl is not None]
     return ", ".join(f"{b:g}" for b in dict.fromkeys(baselines))
-
-
-def _published_text() -> str:
-    """The grid's legend for its published column: each source, table and row."""
-    return (
-        "against the softmax it was published beside (test perplexity without finetuning; "
-        "softmax's row gives those softmaxes): "
-        + "; ".join(f"{head}: {r.source}" for head, r in PUBLISHED_PTB.items())
-        + " (— where no PTB number is in this project's sources)"
-    )
 
 
 def _decimals(table: list[dict[str, Any]]) -> int:
@@ -1065,25 +842,7 @@ def write_report(
     learning_curves.png; prints the summary table and returns study.json's contents."""
     table = summarize(rows, config)
     run.write_csv("study.csv", rows)
-    text = markdown(table, rows, config)
-    if ranks:
-        text += (
-            f"\nRank of the test log-probability matrix at d = {config.rank_d} "
-            f"({ranks[0]['rows_analysed']} tokens x {ranks[0]['columns_analysed']} words; d + 2 = "
-            f"{config.rank_d + 2}):\n\n"
-            + markdown_table(
-                [
-                    {
-                        "head": r["head"],
-                        "numerical rank": r["numerical_rank"],
-                        "effective rank (99%)": r["effective_rank"],
-                    }
-                    for r in ranks
-                ]
-            )
-            + "\n"
-        )
-    run.write_page("study.md", title(config, rows), text)
+    run.write_page("study.md", title(config, rows), markdown(table, rows, config, ranks))
     plot_vs_d(table, config, run.path("test_ppl_vs_d.png"))
     plot_curves(curves, config, run.path("learning_curves.png"))
     print(markdown_table(table, ("d", "head", "test_ppl", "test_std", "gain_pct"), floatfmt=".2f"))

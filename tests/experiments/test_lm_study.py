@@ -599,11 +599,16 @@ def test_the_power_table_gives_each_row_its_own_seeds():
     spreads = {s["spread"]: s for s in report.design_spreads(table)}
     assert spreads["pooled at d = 16"]["seeds"] == 3 and spreads["pooled at d = 32"]["seeds"] == 2
     assert spreads["median over all comparisons"]["seeds"] == 2
-    text = report._power_text(table)
+    text = report.markdown(table, rows, config)
     d32 = spreads["pooled at d = 32"]
     row = next(line for line in text.splitlines() if "pooled at d = 32" in line)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "2" and cells[3] == f"{paired_stats.detectable_gain(d32['value'], 2):.2f}"
+
+
+def _section(page, start):
+    """The paragraph of a report page that begins with ``start``, and the table after it."""
+    return "\n\n".join(page[page.index(start) :].split("\n\n")[:2])
 
 
 def _csv_row(head, d, seed, test, valid=None, lr=None, dropout=None, epochs=13):
@@ -649,7 +654,7 @@ def test_the_tuned_arm_picks_each_head_s_setting_by_its_first_seed(tmp_path):
         100 * (b - h) / b for b, h in zip(recipe["softmax"], recipe["plif"], strict=True)
     ][:3]
     np.testing.assert_allclose(entries["plif"]["recipe"]["gain_pct"], np.mean(recipe_gains))
-    text = report._tuned_text(list(entries.values()), config)
+    text = _section(report.markdown(report.summarize(rows, config), rows, config), "**Tuned arm**")
     assert "lr 0.001, dropout 0.1" in text and "95.00" in text
     assert "| same" in text and "crosses" not in text
 
@@ -675,7 +680,7 @@ def test_the_tuned_arm_names_a_choice_or_a_pair_across_devices(tmp_path):
     # softmax keeps the recipe (100 < 105), plif takes the GPU's setting (95 < 104)
     assert entries["plif"]["choice_devices"] == ["cpu (X)", "gpu (Y)"]
     assert entries["plif"]["tuned"]["cross_device_seeds"] == [1, 2]
-    text = report._tuned_text(list(entries.values()), config)
+    text = _section(report.markdown(report.summarize(rows, config), rows, config), "**Tuned arm**")
     assert "choice across cpu (X) and gpu (Y); seed 1 crosses, seed 2 crosses" in text
 
 
@@ -695,7 +700,7 @@ def test_the_convergence_probe_compares_a_longer_budget_with_the_gain_s_half_wid
     np.testing.assert_allclose(entries["softmax"]["change_pct"], 100 * (100.5 - 101) / 101)
     np.testing.assert_allclose(entries["mos"]["change_pct"], 100 * (90 - 99) / 99)
     assert entries["softmax"]["half_width"] == entries["mos"]["half_width"] == half
-    text = report._probe_text(list(entries.values()), config)
+    text = _section(report.markdown(table, rows, config), "**Convergence probe**")
     assert "13 → 26" in text and "| yes " in text and "| no " in text
 
 
@@ -730,8 +735,8 @@ def test_the_report_names_the_trunk_and_mixtape_s_gate_sharing_from_the_config()
         trunk, head=dataclasses.replace(trunk.head, shared_gate_below=100)
     )
     fixed = study.Config(embedding="fixed", trunk=sharing)
-    text = report._design_text([], [], fixed)
+    text = _section(report.markdown([], [], fixed), "The grid:")
     assert "fixed trunk" in text and "factorized" not in text
     assert "words seen fewer than 100 times" in text and "without gate sharing" not in text
-    old = report._design_text([], [], study.Config())
+    old = _section(report.markdown([], [], study.Config()), "The grid:")
     assert "factorized-embedding trunk" in old and "Mixtape without gate sharing" in old
