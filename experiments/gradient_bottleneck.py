@@ -87,21 +87,12 @@ PRESETS = {
 }
 
 
-def lm_config(config: Config, head: str) -> language_model.Config:
-    """The trunk with this head at width ``d`` (not a run folder of its own)."""
-    trunk = config.trunk
-    return replace(
-        trunk,
-        model=trunk.model.with_head_width(config.d),
-        data=replace(trunk.data, tfds_dir=str(Path(config.out_dir) / "tfds")),
-        head=replace(trunk.head, name=head),
-        out_dir=config.out_dir,
-    )
-
-
 def train_head(config: Config, head: str) -> dict[str, Any]:
     """One head's curve: step, training loss since the last point, ratio quartiles."""
-    cell = lm_config(config, head)
+    # The trunk with this head at width d (not a run folder of its own).
+    cell = config.trunk.cell(
+        head, config.d, out_dir=config.out_dir, tfds_dir=str(Path(config.out_dir) / "tfds")
+    )
     corpus = cell.data.load(config.out_dir)
     trainer = language_model.build_trainer(cell, corpus, None)
     inputs, targets = validation_windows(

@@ -187,6 +187,20 @@ class Config(Checked):
                 "dynamic_eval_segment)"
             )
 
+    def cell(
+        self, head: str, d: int, *, out_dir: str, tfds_dir: str, seed: int | None = None
+    ) -> Config:
+        """This config with ``head`` reading a ``d``-wide input (a cell of a grid over heads
+        and d), in its own ``out_dir``, with the prepared corpus shared in ``tfds_dir``."""
+        return replace(
+            self,
+            model=self.model.with_head_width(d),
+            data=replace(self.data, tfds_dir=tfds_dir),
+            head=replace(self.head, name=head),
+            seed=self.seed if seed is None else seed,
+            out_dir=out_dir,
+        )
+
     @property
     def resumable_changes(self) -> tuple[str, ...]:
         """The fields a resumed run may change: ``RESUMABLE_CHANGES``, but ``training.epochs``

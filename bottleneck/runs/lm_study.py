@@ -111,24 +111,19 @@ def cell_config(config: Config, head: str, d: int, seed: int) -> language_model.
     """The language-model config of one cell: the trunk with this cell's head, width, seed and
     folder (the prepared corpus is shared); ``--embedding fixed``: the trunk's embedding
     ``embedding_features`` wide (``d_model`` unless set) at every ``d``."""
-    root, trunk = Path(config.out_dir), config.trunk
+    root = Path(config.out_dir)
     ranked = head in config.heads and d == config.rank_d and seed == config.seeds[0]
-    model = trunk.model.with_head_width(d)
+    cell = config.trunk.cell(
+        head, d, out_dir=str(root / "cells" / cell_name(head, d, seed)),
+        tfds_dir=str(root / "tfds"), seed=seed,
+    )  # fmt: skip
+    model = cell.model
     if config.embedding == "fixed":
         model = replace(model, embedding_features=model.embedding_features or model.d_model)
-    return replace(
-        trunk,
-        model=model,
-        data=replace(trunk.data, tfds_dir=str(root / "tfds")),
-        head=replace(trunk.head, name=head),
-        evaluation=replace(
-            trunk.evaluation,
-            dynamic_eval=False,
-            max_logprob_tokens=config.rank_tokens if ranked else 0,
-        ),
-        seed=seed,
-        out_dir=str(root / "cells" / cell_name(head, d, seed)),
+    evaluation = replace(
+        cell.evaluation, dynamic_eval=False, max_logprob_tokens=config.rank_tokens if ranked else 0
     )
+    return replace(cell, model=model, evaluation=evaluation)
 
 
 # Seconds: the fixture corpus, a tiny Transformer, every stage (resume, rank, table, plots).
