@@ -14,9 +14,8 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 import numpy as np
 
 from bottleneck.runs.cli import markdown_table, pyplot
@@ -37,6 +36,9 @@ from bottleneck.runs.statistics import (
     paired_t,
     seeds_needed,
 )
+
+if TYPE_CHECKING:
+    import jinja2
 
 
 def main_device(rows: list[dict[str, Any]]) -> str:
@@ -190,6 +192,7 @@ def markdown(
     device = main_device(rows)
     tuned = tuned_arm(config, rows) if config.tuned_csvs else []
     probe = convergence_probe(config, rows, table) if config.probe_csv is not None else []
+    decimals = _decimals(table)
     page = _template().render(
         config=config,
         trunk=config.trunk,
@@ -201,10 +204,10 @@ def markdown(
         softmax=sorted((e for e in table if e["head"] == "softmax"), key=lambda e: e["d"]),
         budget_ended=budget_ended,
         still_improving=[r for r in budget_ended if _last_epoch_improved(r)],
-        summary_rows=[_table_row(e, _decimals(table)) for e in table],
+        summary_rows=[_table_row(e, decimals) for e in table],
         stats_rows=[_stats_row(e) for e in tested],
-        grid=gains_by_d(table, config, _decimals(table)),
-        published=PUBLISHED_PTB if _grid_axes(table, config)[3] else {},
+        grid=gains_by_d(table, config, decimals),
+        published=PUBLISHED_PTB if _published_applies(config) else {},
         power_rows=_power_rows(tested) if tested else [],
         trend_rows=[_trend_row(t) for t in gain_trends(table, config)] if tested else [],
         crossing_rows=[_crossing_row(e) for e in tested if e["cross_device_seeds"]],
@@ -225,7 +228,7 @@ def markdown(
                 "effective rank (99%)": r["effective_rank"],
             }
             for r in ranks
-        ],  # fmt: skip
+        ],
         confidence=f"{1 - ALPHA:.0%}",
         alpha=ALPHA,
         power=f"{POWER:.0%}",
@@ -236,6 +239,8 @@ def markdown(
 
 @functools.cache
 def _template() -> jinja2.Template:
+    import jinja2  # here, not at import: the study script starts without it (as without pyplot)
+
     environment = jinja2.Environment(
         trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined
     )
@@ -584,13 +589,17 @@ def _grid_axes(
     table: list[dict[str, Any]], config: Config
 ) -> tuple[dict[tuple[str, int], dict[str, Any]], list[str], list[int], bool]:
     """What a head x d grid of the summary shows: its entries by (head, d), the heads and the
-    d's that have a cell (in the config's order), and whether the study is PTB's 10,000 words,
-    where :data:`PUBLISHED_PTB`'s column applies."""
+    d's that have a cell (in the config's order), and whether :data:`PUBLISHED_PTB`'s column
+    applies (:func:`_published_applies`)."""
     entries = {(e["head"], e["d"]): e for e in table}
     heads = [h for h in config.heads if h in {h_ for h_, _ in entries}]
     ds = [d for d in config.ds if d in {d_ for _, d_ in entries}]
-    published = config.trunk.data.corpus == "ptb" and config.trunk.data.vocab_size is None
-    return entries, heads, ds, published
+    return entries, heads, ds, _published_applies(config)
+
+
+def _published_applies(config: Config) -> bool:
+    """Whether the study is PTB's 10,000 words, where the published gains compare."""
+    return config.trunk.data.corpus == "ptb" and config.trunk.data.vocab_size is None
 
 
 def costs_by_d(table: list[dict[str, Any]], config: Config) -> list[dict[str, str]]:
