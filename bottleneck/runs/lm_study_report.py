@@ -276,28 +276,30 @@ def _setting_text(setting: tuple[float, float]) -> str:
 
 
 def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tuned arm: per head, the setting (one CSV of ``--tuned_csvs``, or ``--results_csv``
-    for the recipe) of the lowest validation perplexity at the first seed, then that setting's
-    cells of the arm's seeds (those the tuned CSVs hold) against softmax's at softmax's own
-    choice, paired by seed (:func:`_paired_gains`), and the one-recipe gain over the same seeds
-    beside it. The arm's d is the largest of the tuned CSVs'; one entry per head with a cell
-    there, in the order of ``--heads``.
+    """The tuned arm: per head, the setting (one CSV of ``--tuned_csvs``, or the grid's
+    ``rows`` for the recipe) of the lowest validation perplexity at the first seed, then that
+    setting's cells of the arm's seeds (those the tuned CSVs hold) against softmax's at
+    softmax's own choice, paired by seed (:func:`_paired_gains`), and the one-recipe gain over
+    the same seeds beside it. The arm's d is the largest of the tuned CSVs'; one entry per head
+    with a cell there, in the order of ``--heads``.
 
     A setting's rows are read from its CSV whatever their config digest: the CSV holds one
-    setting, and each row says its own (``lr``, ``dropout``). ``choice_devices``: the devices
-    the first seed's cells that a head's choice compares trained on (more than one: the choice
-    compares devices too); the tuned gain's ``cross_device_seeds`` as in the grid's table."""
+    setting, and each row says its own (``lr``, ``dropout``). A tuned CSV may hold the recipe's
+    setting (cells retrained on the device of the arm's other settings): its cells take the
+    place of the grid's, in the choice and in the recipe's gain. ``choice_devices``: the
+    devices the first seed's cells that a head's choice compares trained on (more than one:
+    the choice compares devices too); the tuned gain's ``cross_device_seeds`` as in the grid's
+    table."""
     tuned = [row for path in config.tuned_csvs for row in read_results_csv(Path(path)).values()]
     if not tuned:
         return []
     d, seeds = max(r["d"] for r in tuned), {r["seed"] for r in tuned}
     first_seed = min(seeds)
-    recorded = read_results_csv(Path(config.results_csv)).values() if config.results_csv else []
     arms: dict[tuple[float, float], dict[tuple[str, int], dict[str, Any]]] = {}
-    for row in (*recorded, *tuned):
+    for row in (*(r for r in rows if r["status"] == "done"), *tuned):
         if row["d"] == d and row["seed"] in seeds:
             arms.setdefault(_setting(row, config), {})[(row["head"], row["seed"])] = row
-    recipe = {(r["head"], r["seed"]): r for r in rows if r["status"] == "done" and r["d"] == d}
+    recipe = arms.get(_setting({}, config), {})
     entries, chosen_cells = [], {}
     for head in config.heads:
         first = {

@@ -684,6 +684,41 @@ def test_the_tuned_arm_names_a_choice_or_a_pair_across_devices(tmp_path):
     assert "choice across cpu (X) and gpu (Y); seed 1 crosses, seed 2 crosses" in text
 
 
+def test_a_tuned_csv_of_the_recipe_s_setting_takes_the_place_of_the_grid_s_cells(tmp_path):
+    """The recipe's seed 1 retrained on the device of the arm's other settings (the grid's
+    seed-1 cells trained on another): its cells make the choice and the recipe's gain."""
+    config = study.Config(heads=("softmax", "plif"), ds=(128,), seeds=(1, 2), rank_d=None,
+                          results_csv=str(tmp_path / "grid.csv"),
+                          tuned_csvs=(str(tmp_path / "recipe.csv"), str(tmp_path / "lr1e-3.csv")))  # fmt: skip
+    lr, dropout = config.trunk.optimizer.lr, study.main_dropout(config.trunk.model)
+    grid = {("softmax", 1, "cpu (X)"): 100.0, ("plif", 1, "cpu (X)"): 104.0,
+            ("softmax", 2, "cpu (Y)"): 101.0, ("plif", 2, "cpu (Y)"): 99.0}  # fmt: skip
+    for (head, seed, device), test in grid.items():
+        study.merge_results_csv(
+            tmp_path / "grid.csv", {**_csv_row(head, 128, seed, test), "device": device}
+        )
+    retrained = {  # (csv, lr): head: test ppl (= validation) of seeds 1, 2, ... on cpu (Y)
+        ("recipe.csv", lr): {"softmax": [102.0], "plif": [100.0]},
+        ("lr1e-3.csv", 0.001): {"softmax": [103.0, 103.5], "plif": [101.0, 101.5]},
+    }  # fmt: skip
+    for (name, rate), heads in retrained.items():
+        for head, tests in heads.items():
+            for seed, test in enumerate(tests, 1):
+                row = _csv_row(head, 128, seed, test, lr=rate, dropout=dropout)
+                study.merge_results_csv(tmp_path / name, {**row, "device": "cpu (Y)"})
+    rows = [
+        {**r, "status": "done"} for r in study.read_results_csv(Path(config.results_csv)).values()
+    ]
+    entries = {e["head"]: e for e in report.tuned_arm(config, rows)}
+    # plif: the recipe (100 < 101), which the grid's own seed-1 cell (104) would not have won
+    assert entries["plif"]["setting"] == (lr, dropout)
+    assert entries["plif"]["first_seed_valid"] == {(0.001, dropout): 101.0, (lr, dropout): 100.0}
+    assert entries["plif"]["choice_devices"] == ["cpu (Y)"]
+    gains = [100 * (102 - 100) / 102, 100 * (101 - 99) / 101]  # seed 1 retrained, seed 2 grid's
+    np.testing.assert_allclose(entries["plif"]["recipe"]["gain_pct"], np.mean(gains))
+    np.testing.assert_allclose(entries["plif"]["tuned"]["gain_pct"], np.mean(gains))
+
+
 def test_the_convergence_probe_compares_a_longer_budget_with_the_gain_s_half_width(tmp_path):
     config = study.Config(heads=("softmax", "mos"), ds=(32,), seeds=(1, 2, 3), rank_d=None,
                              probe_csv=str(tmp_path / "probe.csv"))  # fmt: skip
