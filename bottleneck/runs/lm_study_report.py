@@ -263,11 +263,16 @@ def _reflow(page: str) -> str:
     )
 
 
+def _recipe_setting(config: Config) -> tuple[float, float]:
+    """The grid's one recipe: its trunk's (peak lr, dropout)."""
+    return config.trunk.optimizer.lr, main_dropout(config.trunk.model)
+
+
 def _setting(row: dict[str, Any], config: Config) -> tuple[float, float]:
     """A row's (peak lr, dropout); a row of before those columns has its CSV's recipe, which
     for --results_csv is this config's trunk."""
     if row.get("lr") is None:
-        return config.trunk.optimizer.lr, main_dropout(config.trunk.model)
+        return _recipe_setting(config)
     return row["lr"], row["dropout"]
 
 
@@ -299,7 +304,7 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     for row in (*(r for r in rows if r["status"] == "done"), *tuned):
         if row["d"] == d and row["seed"] in seeds:
             arms.setdefault(_setting(row, config), {})[(row["head"], row["seed"])] = row
-    recipe = arms.get(_setting({}, config), {})
+    recipe = arms.get(_recipe_setting(config), {})
     entries, chosen_cells = [], {}
     for head in config.heads:
         first = {
