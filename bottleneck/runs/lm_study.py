@@ -70,6 +70,9 @@ class Config(Checked):
     #: takes the setting of its best validation at its first seed, and its seeds there are
     #: compared with softmax's at softmax's own choice
     tuned_csvs: tuple[str, ...] = ()
+    #: the tuned arm's seeds: the first chooses each head's setting, all of them train at it
+    #: (the report lists the arm's cells not recorded yet)
+    tuned_seeds: tuple[int, ...] = (1, 2, 3)
     #: the report's convergence probe: a results CSV of cells trained with a longer budget
     #: (the same schedule's shape), each compared with this grid's cell of its head, d and seed
     probe_csv: str | None = None
@@ -79,7 +82,7 @@ class Config(Checked):
         super().__post_init__()
         if self.report_only and self.results_csv is None:
             raise ValueError("report_only reads --results_csv: name the CSV of recorded cells")
-        for name in ("heads", "ds", "seeds"):
+        for name in ("heads", "ds", "seeds", "tuned_seeds"):
             values = getattr(self, name)
             if not values or len(set(values)) != len(values):
                 raise ValueError(f"{name} must name distinct values, at least one, got {values}")

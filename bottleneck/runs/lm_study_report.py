@@ -214,6 +214,7 @@ def markdown(
         costs=costs_by_d(table, config),
         tuned_d=tuned[0]["d"] if tuned else None,
         tuned_rows=_tuned_rows(tuned),
+        tuned_pending=_tuned_pending(tuned),
         probe_rows=[_probe_row(e) for e in probe],
         device=device,
         compute=_hours_by_device(done, device),
@@ -282,11 +283,13 @@ def _setting_text(setting: tuple[float, float]) -> str:
 
 def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The tuned arm: per head, the setting (one CSV of ``--tuned_csvs``, or the grid's
-    ``rows`` for the recipe) of the lowest validation perplexity at the first seed, then that
-    setting's cells of the arm's seeds (those the tuned CSVs hold) against softmax's at
-    softmax's own choice, paired by seed (:func:`_paired_gains`), and the one-recipe gain over
-    the same seeds beside it. The arm's d is the largest of the tuned CSVs'; one entry per head
-    with a cell there, in the order of ``--heads``.
+    ``rows`` for the recipe) of the lowest validation perplexity at the first of
+    ``--tuned_seeds``, then that setting's cells of those seeds against softmax's at softmax's
+    own choice, paired by seed (:func:`_paired_gains`), and the one-recipe gain over the same
+    seeds beside it. The arm's d is the largest of the tuned CSVs'; one entry per head with a
+    cell there, in the order of ``--heads``. ``pending_settings``: the arm's settings (those
+    any of its cells has) not recorded at the head's first seed, so that its choice may still
+    change; ``pending_seeds``: the arm's seeds not recorded at its choice.
 
     A setting's rows are read from its CSV whatever their config digest: the CSV holds one
     setting, and each row says its own (``lr``, ``dropout``). A tuned CSV may hold the recipe's
@@ -298,7 +301,7 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     tuned = [row for path in config.tuned_csvs for row in read_results_csv(Path(path)).values()]
     if not tuned:
         return []
-    d, seeds = max(r["d"] for r in tuned), {r["seed"] for r in tuned}
+    d, seeds = max(r["d"] for r in tuned), set(config.tuned_seeds)
     first_seed = min(seeds)
     arms: dict[tuple[float, float], dict[tuple[str, int], dict[str, Any]]] = {}
     for row in (*(r for r in rows if r["status"] == "done"), *tuned):
@@ -318,6 +321,8 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
         entries.append({
             "head": head, "d": d, "setting": chosen, "seeds": [r["seed"] for r in cells],
             "first_seed_valid": {s: first[s]["valid_ppl"] for s in sorted(first)},
+            "pending_settings": sorted(set(arms) - set(first)),
+            "pending_seeds": [s for s in sorted(seeds) if (head, s) not in arms[chosen]],
             "choice_devices": sorted({first[s]["device"] for s in first}),
             "test_ppl": float(np.mean([r["test_ppl"] for r in cells])),
         })  # fmt: skip
@@ -342,6 +347,9 @@ def _tuned_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     table = []
     for e in entries:
         row = {"head": e["head"], "chosen": _setting_text(e["setting"])}
+        if e["pending_settings"]:
+            tried = len(e["first_seed_valid"])
+            row["chosen"] += f" (so far: {tried} of {tried + len(e['pending_settings'])})"
         for s in settings:
             valid = e["first_seed_valid"].get(s)
             row[_setting_text(s)] = "—" if valid is None else f"{valid:.2f}"
@@ -356,6 +364,26 @@ def _tuned_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["devices"] = _tuned_devices_text(e)
         table.append(row)
     return table
+
+
+def _tuned_pending(entries: list[dict[str, Any]]) -> list[str]:
+    """Per head, the tuned arm's cells not recorded yet: its first seed at the settings it
+    lacks, then the arm's other seeds at its choice."""
+    pending = []
+    for e in entries:
+        parts = [  # the choice holds the first seed's cell, so e["seeds"][0] is that seed
+            f"seed {e['seeds'][0]} at " + " and at ".join(map(_setting_text, e["pending_settings"]))
+        ] if e["pending_settings"] else []  # fmt: skip
+        if later := e["pending_seeds"]:
+            where = "its choice" if e["pending_settings"] else _setting_text(e["setting"])
+            parts.append(f"seed{'s' if len(later) > 1 else ''} {_seeds_text(later)} at {where}")
+        if parts:
+            pending.append(f"{e['head']}: " + ", then ".join(parts))
+    return pending
+
+
+def _seeds_text(seeds: list[int]) -> str:
+    return ", ".join(map(str, seeds[:-1])) + " and " * (len(seeds) > 1) + str(seeds[-1])
 
 
 def _tuned_devices_text(e: dict[str, Any]) -> str:

@@ -719,6 +719,52 @@ def test_a_tuned_csv_of_the_recipe_s_setting_takes_the_place_of_the_grid_s_cells
     np.testing.assert_allclose(entries["plif"]["tuned"]["gain_pct"], np.mean(gains))
 
 
+def test_a_partial_tuned_arm_names_the_cells_it_lacks(tmp_path):
+    """softmax has tried both settings at seed 1 and lacks seeds 2 and 3 at its choice; plif
+    has only the recipe's seed 1 (its grid cells give seeds 2 and 3 of the recipe): its choice
+    is provisional, and the report says so in the table and in the list of missing cells."""
+    config = study.Config(heads=("softmax", "plif"), ds=(128,), seeds=(1, 2, 3), rank_d=None,
+                          results_csv=str(tmp_path / "grid.csv"),
+                          tuned_csvs=(str(tmp_path / "lr1e-3.csv"),))  # fmt: skip
+    for head, tests in {"softmax": [100.0, 101.0, 102.0], "plif": [99.0, 100.0, 101.0]}.items():
+        for seed, test in enumerate(tests, 1):
+            study.merge_results_csv(Path(config.results_csv), _csv_row(head, 128, seed, test))
+    study.merge_results_csv(tmp_path / "lr1e-3.csv", _csv_row("softmax", 128, 1, 98.0, 98.0, 0.001, 0.1))  # fmt: skip
+    rows = [
+        {**r, "status": "done"} for r in study.read_results_csv(Path(config.results_csv)).values()
+    ]
+    entries = {e["head"]: e for e in report.tuned_arm(config, rows)}
+    assert entries["softmax"]["setting"] == (0.001, 0.1)
+    assert entries["softmax"]["pending_settings"] == []
+    assert entries["softmax"]["pending_seeds"] == [2, 3]
+    recipe = (config.trunk.optimizer.lr, study.main_dropout(config.trunk.model))
+    assert entries["plif"]["setting"] == recipe and entries["plif"]["seeds"] == [1, 2, 3]
+    assert entries["plif"]["pending_settings"] == [(0.001, 0.1)]
+    assert entries["plif"]["pending_seeds"] == []
+    text = _section(report.markdown(report.summarize(rows, config), rows, config), "**Tuned arm**")
+    assert "(so far: 1 of 2)" in text and text.count("so far") == 1
+    page = report.markdown(report.summarize(rows, config), rows, config)
+    assert (
+        "not recorded yet: softmax: seeds 2 and 3 at lr 0.001, dropout 0.1; "
+        "plif: seed 1 at lr 0.001, dropout 0.1." in " ".join(page.split())
+    )
+
+
+def test_a_whole_tuned_arm_is_not_called_partial(tmp_path):
+    config = study.Config(heads=("softmax", "plif"), ds=(128,), seeds=(1,), rank_d=None,
+                          tuned_seeds=(1,), results_csv=str(tmp_path / "grid.csv"),
+                          tuned_csvs=(str(tmp_path / "lr1e-3.csv"),))  # fmt: skip
+    for head, test in {"softmax": 100.0, "plif": 99.0}.items():
+        study.merge_results_csv(Path(config.results_csv), _csv_row(head, 128, 1, test))
+        row = _csv_row(head, 128, 1, test + 1, test + 1, 0.001, 0.1)
+        study.merge_results_csv(tmp_path / "lr1e-3.csv", row)
+    rows = [
+        {**r, "status": "done"} for r in study.read_results_csv(Path(config.results_csv)).values()
+    ]
+    page = report.markdown(report.summarize(rows, config), rows, config)
+    assert "**Tuned arm**" in page and "partial" not in page and "so far" not in page
+
+
 def test_the_convergence_probe_compares_a_longer_budget_with_the_gain_s_half_width(tmp_path):
     config = study.Config(heads=("softmax", "mos"), ds=(32,), seeds=(1, 2, 3), rank_d=None,
                              probe_csv=str(tmp_path / "probe.csv"))  # fmt: skip
