@@ -821,11 +821,12 @@ def _half_interval(e: dict[str, Any]) -> float:
     return 0.0 if e["gain_ci"] is None else (e["gain_ci"][1] - e["gain_ci"][0]) / 2
 
 
-# A line style per seed, in the order of ``config.seeds`` (repeating past four).
-SEED_LINE_STYLES = ("-", "--", ":", "-.")
+# A line style per seed, in the order of ``config.seeds`` (repeating past five); the fifth is
+# dash-dot-dot, as matplotlib's (offset, on-off sequence).
+SEED_LINE_STYLES = ("-", "--", ":", "-.", (0, (6, 2, 1, 2, 1, 2)))
 
 
-def _seed_line_style(config: Config, seed: int) -> str:
+def _seed_line_style(config: Config, seed: int) -> str | tuple:
     return SEED_LINE_STYLES[config.seeds.index(seed) % len(SEED_LINE_STYLES)]
 
 

@@ -719,6 +719,13 @@ def test_a_tuned_csv_of_the_recipe_s_setting_takes_the_place_of_the_grid_s_cells
     np.testing.assert_allclose(entries["plif"]["tuned"]["gain_pct"], np.mean(gains))
 
 
+def test_five_seeds_have_five_line_styles_in_the_learning_curves():
+    """The fixed-trunk grid has five seeds: the fifth must not repeat the first's line."""
+    config = study.Config(seeds=(1, 2, 3, 4, 5), rank_d=None)
+    styles = [report._seed_line_style(config, seed) for seed in config.seeds]
+    assert len({str(s) for s in styles}) == 5
+
+
 def test_a_partial_tuned_arm_names_the_cells_it_lacks(tmp_path):
     """softmax has tried both settings at seed 1 and lacks seeds 2 and 3 at its choice; plif
     has only the recipe's seed 1 (its grid cells give seeds 2 and 3 of the recipe): its choice
