@@ -186,19 +186,26 @@ def test_guide_says_every_cell_converged_only_while_every_row_has():
     assert converged and ("Every cell is converged" in text) == all(converged)
 
 
-def test_readme_and_guide_call_the_study_partial_while_its_report_does():
-    """The report's title ends in "partial" while cells are pending; the README's and the
-    language-model guide's status must follow it (and the README then gives the converged table)."""
-    partial = (RESULTS / "ptb-transformer.md").read_text().splitlines()[0].endswith("— partial")
-    for page in (README, ROOT / "docs" / "guides" / "language_models.md"):
-        assert ("**Status: partial.**" in page.read_text()) == partial, page.name
+@pytest.mark.parametrize(
+    ("page", "report"),
+    [
+        (README, "ptb-transformer-fixed.md"),  # the README reads the fixed-trunk grid
+        (ROOT / "docs" / "guides" / "language_models.md", "ptb-transformer.md"),  # the earlier
+    ],
+    ids=["README", "language_models.md"],
+)
+def test_pages_call_the_study_partial_while_its_report_does(page, report):
+    """A report's title ends in "partial" while cells are pending; the page that reads it must
+    follow (the README then gives its converged table)."""
+    partial = (RESULTS / report).read_text().splitlines()[0].endswith("— partial")
+    assert ("**Status: partial.**" in page.read_text()) == partial, page.name
 
 
 def test_readme_converged_table_is_the_report_s():
     """Once the grid is complete the README's language-model table is its report's head x d
     grid (softmax's test perplexity, each head's gain over it with its interval, the published
     gains) as written."""
-    report = (RESULTS / "ptb-transformer.md").read_text()
+    report = (RESULTS / "ptb-transformer-fixed.md").read_text()
     lines = README.read_text().splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("| softmax (test ppl) ")]
     partial = report.splitlines()[0].endswith("— partial")
@@ -215,39 +222,63 @@ def _language_model_section() -> str:
     return " ".join(text[start : text.index("\n## ", start + 1)].split()).replace("−", "-")
 
 
-def test_readme_language_model_numbers_are_the_reports():
-    """Each interval the README's language-model section quotes after its table (gains,
-    trends, the control) is one its reports print; so are the design's spread and detectable
-    gain, and each trend's slope with its interval."""
-    section = _language_model_section().split("| mixtape ")[-1]  # the table: tested above
-    reports = "".join(
-        (RESULTS / f"{name}.md").read_text()
-        for name in ("ptb-transformer", "ptb-transformer-control")
+def _holm_p(report: str, d: int, head: str, interval: str) -> float:
+    """The Holm-corrected p of a head's gain at d whose interval is ``interval``, from the
+    report's statistics table."""
+    row = re.search(
+        rf"^\|\s+{d} \| {head}\s+\|[^|]+\| {re.escape(interval)}\s+\| [\d.]+\s+\| ([\d.]+)",
+        report,
+        flags=re.M,
     )
-    quoted = re.findall(r"\[[+-]\d+\.\d+, [+-]\d+\.\d+\]", section)
+    assert row, (d, head, interval)
+    return float(row[1])
+
+
+def test_readme_language_model_numbers_are_the_reports():
+    """Each interval the README's language-model reading quotes after its table is one its
+    report prints, and each "after Holm" or "not after Holm" beside a gain is the report's
+    corrected p; so are the design's spread, detectable gain and seeds, and each trend's
+    slope with its interval and reading."""
+    section = _language_model_section().split("| mixtape ")[-1]  # the table: tested above
+    reading = section[: section.index("Beyond rank")]
+    report = (RESULTS / "ptb-transformer-fixed.md").read_text()
+    quoted = re.findall(r"\[[+-]\d+\.\d+, [+-]\d+\.\d+\]", reading)
     assert len(quoted) >= 10
     for interval in quoted:
-        assert interval in reports, interval
-    power = re.search(r"spread \((\d+\.\d+) points\) the design detects (\d+\.\d+) points", section)
-    assert power and f"| {power[1]} " in reports and f"| {power[2]} " in reports
-    seeds = re.search(r"needs (\d+) seeds for 1 point", section)
-    assert seeds and re.search(rf"\| median over all comparisons .*\| {seeds[1]}\s+\|", reports)
-    per_doubling = section[section.index("per doubling") : section.index("a trend not")]
-    trends = re.findall(r"(sigsoftmax|PLIF|MoS|Mixtape) (-\d+\.\d+) (\[[^]]+\])", per_doubling)
+        assert interval in report, interval
+    # "<interval> at d = <d>" names a head's comparison: its Holm reading, where one is given
+    heads = {"sigsoftmax": "sigsoftmax", "PLIF": "plif", "MoS": "mos", "Mixtape": "mixtape"}
+    claims = 0
+    for bullet in reading.split(" - "):
+        named = [h for h in heads if bullet.lstrip("*").lower().startswith(h.lower())]
+        for claim in re.finditer(r"(\[[^]]+\])%? at d = (\d+) \((not )?after Holm\)", bullet):
+            (head,) = named
+            holm_p = _holm_p(report, int(claim[2]), heads[head], claim[1])
+            assert (holm_p < 0.05) == (claim[3] is None), claim[0]
+            claims += 1
+    assert claims >= 5, "the reading names no gain's Holm reading"
+    power = re.search(r"spread \((\d+\.\d+) points\) the design detects (\d+\.\d+) points", reading)
+    assert power and f"| {power[1]} " in report and f"| {power[2]} " in report
+    seeds = re.search(r"needs (\d+) seeds for 1 point", reading)
+    assert seeds and re.search(rf"\| median over all comparisons .*\| {seeds[1]}\s+\|", report)
+    per_doubling = reading[reading.index("per doubling") : reading.index("The earlier grid")]
+    trends = re.findall(
+        r"(sigsoftmax|PLIF|MoS|Mixtape) ([+-]?\d+\.\d+) (\[[^]]+\])( \(after Holm\))?", per_doubling
+    )
     assert len(trends) == 4
-    for head, slope, interval in trends:
+    for head, slope, interval, after_holm in trends:
         row = re.search(
-            rf"\| {head.lower()}\s+\| {slope}\s+\| {re.escape(interval)}\s+\| [\d.]+\s+\| ([\d.]+)",
-            reports,
+            rf"\| {heads[head]}\s+\| {slope}\s+\| {re.escape(interval)}\s+\| [\d.]+\s+\| ([\d.]+)",
+            report,
         )
         assert row, (head, slope, interval)
-        # The reading beside it: a fall where the interval excludes 0, "none detectable" where
-        # it spans 0, and "neither after Holm" only while the corrected p is not below 0.05.
+        # the trends of the clause that ends in "none detectable" span 0, the others exclude
+        # it; "(after Holm)" only where the corrected p is below 0.05
         low, high = (float(v) for v in interval.strip("[]").split(", "))
-        excluded = interval in per_doubling.split("none detectable")[0].split("(neither")[0]
+        undetected = per_doubling.split("none detectable")[0].rsplit(";", 1)[-1]
+        excluded = "none detectable" not in per_doubling or interval not in undetected
         assert excluded == (high < 0 or low > 0), (head, interval)
-        if excluded and "neither after Holm" in per_doubling:
-            assert float(row[1]) >= 0.05, (head, row[1])
+        assert bool(after_holm) == (excluded and float(row[1]) < 0.05), (head, row[1])
 
 
 def test_committed_synthetic_results_are_what_the_code_computes(tmp_path):

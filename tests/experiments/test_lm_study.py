@@ -235,16 +235,34 @@ def test_the_committed_grid_rows_are_recognised_by_their_config_sha(tmp_path):
     assert study.config_sha(study.cell_config(config, head, d, seed)) != sha
 
 
+# The fixed-trunk grid's report: its flags, and its tuned arm's CSVs as committed.
+FIXED_FLAGS = (
+    "default", "--embedding", "fixed", "--trunk.head.shared_gate_below", "100",
+    "--seeds", "1", "2", "3", "4", "5", "--rank_d", "None",
+    "--tuned_csvs", *sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "docs" / "results").glob("ptb-transformer-fixed-tuned-*.csv")
+    ),
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "preset, name", [("default", "ptb-transformer"), ("control", "ptb-transformer-control")]
-)
-def test_committed_reports_are_what_the_code_writes_from_their_rows(preset, name, tmp_path):
+    "flags, name",
+    [(("default",), "ptb-transformer"), (("control",), "ptb-transformer-control"),
+     (FIXED_FLAGS, "ptb-transformer-fixed")],
+    ids=["ptb-transformer", "ptb-transformer-control", "ptb-transformer-fixed"],
+)  # fmt: skip
+def test_committed_reports_are_what_the_code_writes_from_their_rows(
+    flags, name, tmp_path, monkeypatch
+):
     """docs/results/NAME.md is `--report_only` on NAME.csv: a row that lands (the grid commits
-    them one by one) or a change of the report's code leaves it stale until it is rewritten.
-    Only the line saying who wrote it (the commit, the machine, the date) may differ."""
+    them one by one, the tuned arm's too) or a change of the report's code leaves it stale until
+    it is rewritten. Only the line saying who wrote it (the commit, the machine, the date) may
+    differ."""
+    monkeypatch.chdir(ROOT)  # the tuned CSVs by the relative paths the page names
     results = ROOT / "docs" / "results"
     lm_study.main(
-        [preset, "--results_csv", str(results / f"{name}.csv"), "--report_only",
+        [*flags, "--results_csv", str(results / f"{name}.csv"), "--report_only",
          "--out_dir", str(tmp_path)]
     )  # fmt: skip
 
@@ -252,7 +270,7 @@ def test_committed_reports_are_what_the_code_writes_from_their_rows(preset, name
         return [line for line in page.read_text().splitlines() if not line.startswith("Written by")]
 
     assert body(tmp_path / "study.md") == body(results / f"{name}.md"), (
-        f"docs/results/{name}.md is stale: rerun `python experiments/lm_study.py {preset}"
+        f"docs/results/{name}.md is stale: rerun `python experiments/lm_study.py {' '.join(flags)}"
         f" --results_csv docs/results/{name}.csv --report_only --out_dir DIR` and copy its study.md"
     )
 
