@@ -13,6 +13,12 @@
 # there is one) are committed with its row:
 # the cells' weights stay outside the checkout, so a change of machine keeps only what was
 # committed.
+# With REPORT=PAGE (a path inside the checkout without its suffix) and REPORT_FLAGS (lm_study.py's
+# flags for that page, as CONTRIBUTING.md gives them), each finished cell also rewrites the page
+# from the committed rows with the checkout's code (PAGE.md, PAGE-vs-d.png,
+# PAGE-learning-curves.png) and commits it after the row, so that a committed report never
+# trails its rows (tests compare the two): e.g. a tuned arm's cells, whose rows the grid's report
+# reads.
 # Example (PTB's files in DIR):
 #   nohup experiments/lm_study_grid.sh HEAD /work/grid docs/results/ptb-transformer.csv \
 #       --data_dir DIR --heads softmax sigsoftmax plif > /work/grid/log 2>&1 &
@@ -43,6 +49,21 @@ if [ -n "${CONSEQUENCES:-}" ]; then
 "$python" experiments/consequences.py --merge --out "$out.json" \\
     --run_dirs "$work/runs/cells/\$CELL" &&
   commit "consequences: \$CELL" "$out.json" "$out.md" \$(ls "$out.png" 2>/dev/null)
+END
+fi
+if [ -n "${REPORT:-}" ]; then
+  page="$checkout/$REPORT"
+  # The checkout's code and venv, not the pinned worktree's (the cell's PYTHONPATH); a fresh
+  # folder, as the report's flags (its tuned CSVs) may have changed since the last cell.
+  cat >> "$hook" <<END
+rm -rf "$work/report" &&
+  (cd "$checkout" && env -u PYTHONPATH "$python" experiments/lm_study.py ${REPORT_FLAGS:-} \\
+    --report_only --out_dir "$work/report") &&
+  cp "$work/report/study.md" "$page.md" &&
+  cp "$work/report/test_ppl_vs_d.png" "$page-vs-d.png" &&
+  cp "$work/report/learning_curves.png" "$page-learning-curves.png" &&
+  commit "$(basename "$REPORT").md: rewritten after \$CELL" "$page.md" "$page-vs-d.png" \\
+    "$page-learning-curves.png"
 END
 fi
 cd "$code"
