@@ -235,7 +235,8 @@ def test_the_committed_grid_rows_are_recognised_by_their_config_sha(tmp_path):
     assert study.config_sha(study.cell_config(config, head, d, seed)) != sha
 
 
-# The fixed-trunk grid's report: its flags, and its tuned arm's CSVs as committed.
+# The fixed-trunk grid's report: its flags, and its tuned arm's and probe's CSVs as committed.
+PROBE_CSV = ROOT / "docs" / "results" / "ptb-transformer-fixed-probe.csv"  # once it lands
 FIXED_FLAGS = (
     "default", "--embedding", "fixed", "--trunk.head.shared_gate_below", "100",
     "--seeds", "1", "2", "3", "4", "5", "--rank_d", "None",
@@ -243,6 +244,7 @@ FIXED_FLAGS = (
         str(p.relative_to(ROOT))
         for p in (ROOT / "docs" / "results").glob("ptb-transformer-fixed-tuned-*.csv")
     ),
+    *(("--probe_csv", str(PROBE_CSV.relative_to(ROOT))) if PROBE_CSV.exists() else ()),
 )  # fmt: skip
 
 
