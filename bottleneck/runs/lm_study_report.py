@@ -297,7 +297,8 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     place of the grid's, in the choice and in the recipe's gain. ``choice_devices``: the
     devices the first seed's cells that a head's choice compares trained on (more than one:
     the choice compares devices too); the tuned gain's ``cross_device_seeds`` as in the grid's
-    table."""
+    table. Each tuned and each recipe gain with a p-value has ``p_holm``: Holm over the arm's
+    gains of that kind (one family a column)."""
     tuned = [row for path in config.tuned_csvs for row in read_results_csv(Path(path)).values()]
     if not tuned:
         return []
@@ -337,6 +338,10 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
                 [recipe[(e["head"], s)] for s in paired],
                 {s: recipe[("softmax", s)] for s in paired},
             )
+    for arm in ("tuned", "recipe"):
+        tested = [e[arm] for e in entries if (e.get(arm) or {}).get("p_value") is not None]
+        for gain, p in zip(tested, holm([g["p_value"] for g in tested]), strict=True):
+            gain["p_holm"] = p
     return entries
 
 
@@ -361,6 +366,8 @@ def _tuned_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "—" if not stats_ else
                 f"{stats_['gain_pct']:+.2f} {_interval_text(stats_['gain_ci'])}"
             )  # fmt: skip
+            p = stats_.get("p_holm")
+            row[f"p (Holm), {arm}"] = "—" if p is None else f"{p:.3f}"
         row["devices"] = _tuned_devices_text(e)
         table.append(row)
     return table

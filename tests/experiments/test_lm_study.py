@@ -679,6 +679,40 @@ def test_the_tuned_arm_picks_each_head_s_setting_by_its_first_seed(tmp_path):
     assert "| same" in text and "crosses" not in text
 
 
+def test_the_tuned_arm_corrects_each_column_s_p_values_by_holm_over_its_heads(tmp_path):
+    """Two heads against softmax in the arm: each column's gains (tuned, recipe) are one
+    family, their p-values Holm-adjusted together, and the page shows the adjusted ones."""
+    config = study.Config(heads=("softmax", "sigsoftmax", "plif"), ds=(128,), seeds=(1, 2, 3),
+                          rank_d=None, results_csv=str(tmp_path / "grid.csv"),
+                          tuned_csvs=(str(tmp_path / "lr1e-3.csv"),))  # fmt: skip
+    recipe = {"softmax": [100.0, 101.0, 102.0], "sigsoftmax": [103.0, 104.5, 104.0],
+              "plif": [99.0, 100.5, 100.0]}  # fmt: skip
+    tuned = {"softmax": [98.0, 99.0, 100.5], "sigsoftmax": [101.0, 102.0, 104.0],
+             "plif": [97.5, 98.0, 100.0]}  # fmt: skip
+    for head, tests in recipe.items():
+        for seed, test in enumerate(tests, 1):
+            study.merge_results_csv(Path(config.results_csv), _csv_row(head, 128, seed, test))
+    for head, tests in tuned.items():
+        for seed, test in enumerate(tests, 1):  # seed 1 validates below the recipe's
+            row = _csv_row(head, 128, seed, test, test - 5 if seed == 1 else test, 0.001, 0.1)
+            study.merge_results_csv(tmp_path / "lr1e-3.csv", row)
+    rows = [
+        {**r, "status": "done"} for r in study.read_results_csv(Path(config.results_csv)).values()
+    ]
+    entries = [e for e in report.tuned_arm(config, rows) if e["head"] != "softmax"]
+    for arm, ppl in (("tuned", tuned), ("recipe", recipe)):
+        base = np.array(ppl["softmax"])
+        gains = [100 * (base - np.array(ppl[e["head"]])) / base for e in entries]
+        p_values = [paired_stats.paired_t(g)["p"] for g in gains]
+        assert [e[arm]["p_value"] for e in entries] == p_values
+        assert [e[arm]["p_holm"] for e in entries] == paired_stats.holm(p_values)
+    assert entries[0]["tuned"]["p_holm"] != entries[0]["tuned"]["p_value"]  # two in the family
+    text = _section(report.markdown(report.summarize(rows, config), rows, config), "**Tuned arm**")
+    sig = next(line for line in text.splitlines() if line.startswith("| sigsoftmax"))
+    assert f"| {entries[0]['tuned']['p_holm']:.3f} " in sig
+    assert f"| {entries[0]['recipe']['p_holm']:.3f} " in sig
+
+
 def test_the_tuned_arm_names_a_choice_or_a_pair_across_devices(tmp_path):
     """A setting trained on another device than the others (the recipe's cells on a CPU, the
     tuned settings on a GPU): the choice compares devices, and so does a pair with softmax."""
