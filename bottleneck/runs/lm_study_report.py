@@ -84,7 +84,7 @@ def summarize(rows: list[dict[str, Any]], config: Config) -> list[dict[str, Any]
                 entry.update(_paired_gains(cells, base))
                 entry.update(_paired_cost(timed, timed_base))
             table.append(entry)
-    _holm_over_grid(table)
+    _holm_over(table)
     return table
 
 
@@ -133,9 +133,10 @@ def _gain_stats(gains: list[float]) -> dict[str, Any]:
     }
 
 
-def _holm_over_grid(table: list[dict[str, Any]]) -> None:
-    """Sets ``p_holm`` on every entry with a p-value: Holm over all head x d comparisons of the
-    grid (one family), and ``comparisons``, their number."""
+def _holm_over(table: list[dict[str, Any]]) -> None:
+    """Sets ``p_holm`` on every entry with a p-value: Holm over all of them (one family: the
+    grid's head x d comparisons, or a column of the tuned arm), and ``comparisons``, their
+    number."""
     tested = [e for e in table if e.get("p_value") is not None]
     for e, p in zip(tested, holm([e["p_value"] for e in tested]), strict=True):
         e["p_holm"], e["comparisons"] = p, len(tested)
@@ -339,9 +340,7 @@ def tuned_arm(config: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]
                 {s: recipe[("softmax", s)] for s in paired},
             )
     for arm in ("tuned", "recipe"):
-        tested = [e[arm] for e in entries if (e.get(arm) or {}).get("p_value") is not None]
-        for gain, p in zip(tested, holm([g["p_value"] for g in tested]), strict=True):
-            gain["p_holm"] = p
+        _holm_over([e[arm] for e in entries if e.get(arm)])
     return entries
 
 
